@@ -1,0 +1,9 @@
+"""specdecode: speculative decoding for Llama/Qwen2-family models."""
+
+from specdecode.config import SpeculativeConfig
+from specdecode.engine.llm import LLM
+from specdecode.engine.sequence import CompletionOutput, RequestOutput
+from specdecode.sampling import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "SpeculativeConfig"]
+__version__ = "0.1.0"

@@ -1,0 +1,133 @@
+"""Command line: `specdecode fetch|generate|bench ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from specdecode.fetch import KNOWN_MODELS, FetchError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="target: alias, .gguf file or HF directory (default: %(default)s)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="target precision")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context to allocate (default 8192)")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. \'{"method": "draft", "model": "qwen2.5-coder-0.5b-instruct", '
+                        '"num_speculative_tokens": "auto"}\'')
+    p.add_argument("--draft", default=None, help="shorthand for a draft-model speculative config")
+    p.add_argument("--method", default=None, choices=["ngram", "draft"], help="shorthand for the method")
+    p.add_argument("--num-speculative-tokens", default=None, help='k, or "auto" (default)')
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    cfg: dict[str, Any] = {}
+    if args.speculative_config:
+        try:
+            cfg = json.loads(args.speculative_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from exc
+        if not isinstance(cfg, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+    if args.draft:
+        cfg.setdefault("method", "draft")
+        cfg["model"] = args.draft
+    if args.method:
+        cfg["method"] = args.method
+    if args.num_speculative_tokens is not None:
+        k = args.num_speculative_tokens
+        cfg["num_speculative_tokens"] = k if k == "auto" else int(k)
+    return cfg or None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Speculative decoding inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("fetch", help="download and verify a known model into the cache")
+    f.add_argument("name", help=f"one of: {', '.join(KNOWN_MODELS)}")
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    _add_model_args(g)
+    g.add_argument("prompt", help="prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    from specdecode.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specdecode import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              speculative_config=speculative_config_from_args(args))
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])
+    last = None
+    for delta, last in llm.stream(prompt, params):
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    assert last is not None
+    out = last.to_output()
+    m = out.metrics
+    if args.json:
+        stats_keys = ["prompt_tokens", "output_tokens", "seconds", "tokens_per_second", "prefill_seconds",
+                      "steps", "draft_tokens", "accepted_tokens", "mean_accepted_length", "acceptance_rate",
+                      "acceptance_by_position", "draft_seconds", "verify_seconds"]
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "stats": {k: m[k] for k in stats_keys}}))
+    else:
+        summary = (f"[{m['output_tokens']} tokens in {m['seconds']:.2f}s, {m['tokens_per_second']:.1f} tok/s, "
+                   f"prefill {m['prefill_seconds']:.2f}s")
+        if llm.spec is not None:
+            summary += (f", {llm.spec.method}: {m['steps']} steps, mean accepted length "
+                        f"{m['mean_accepted_length']:.2f}, acceptance {m['acceptance_rate']:.0%}")
+        print("\n" + summary + "]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "fetch":
+            from specdecode.fetch import fetch_model
+
+            print(fetch_model(args.name))
+            return 0
+        if args.command == "generate":
+            return _generate(args)
+        return args.func(args)
+    except (ValueError, FetchError, MemoryError, OSError) as exc:
+        # Bad input and environment problems are the user's to fix: a message, not a traceback.
+        print(f"specdecode: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdecode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

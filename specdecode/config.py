@@ -1,0 +1,74 @@
+"""Speculative decoding configuration, in vLLM's `speculative_config` shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Method = Literal["ngram", "draft"]
+METHODS: tuple[str, ...] = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: Method
+    """Which proposer drafts tokens: "ngram" (prompt lookup) or "draft" (a small model)."""
+    num_speculative_tokens: int | Literal["auto"] = "auto"
+    """Draft length k; "auto" picks k each step from live acceptance and measured cost."""
+    model: str | None = None
+    """Draft model (alias, .gguf file or HF directory); required for method "draft"."""
+    prompt_lookup_min: int = 2
+    """Shortest suffix n-gram the n-gram proposer matches."""
+    prompt_lookup_max: int = 5
+    """Longest suffix n-gram tried first."""
+    max_speculative_tokens: int = 8
+    """Upper bound on k when num_speculative_tokens is "auto"."""
+    draft_dtype: str = "bf16"
+    """Precision of the draft model; it never changes the output, only speed."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; choose one of {', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 32):
+            raise ValueError(f"num_speculative_tokens must be 'auto' or an integer in [0, 32], got {k!r}")
+        if not 1 <= self.max_speculative_tokens <= 32:
+            raise ValueError(f"max_speculative_tokens must be in [1, 32], got {self.max_speculative_tokens}")
+        if self.method == "draft" and not self.model:
+            raise ValueError('method "draft" needs "model": the draft model to run')
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @property
+    def k_max(self) -> int:
+        k = self.num_speculative_tokens
+        return self.max_speculative_tokens if k == "auto" else int(k)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
+    @classmethod
+    def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """Accept a config object, a dict, or a JSON string (the CLI's --speculative-config)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            value = {**value, "method": "draft" if value.get("model") else "ngram"}
+        return cls(**value)

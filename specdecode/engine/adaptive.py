@@ -1,0 +1,231 @@
+"""Adaptive draft length: pick k each step from live acceptance and measured cost.
+
+A step with draft length k costs ``CostModel.step_seconds(k)`` and emits
+``AcceptanceTracker.expected_tokens(k)`` tokens on average; ``choose_k`` maximises the
+ratio (tokens per second). k = 0 is plain decoding (one token per target forward), so a
+useless proposer falls back to plain speed instead of slowing generation down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured cost of one step as a function of the draft length."""
+
+    target_seconds: tuple[float, ...]
+    """[t-1] = seconds of one target forward over t new tokens (t = 1..K+1)."""
+    draft_step_seconds: float = 0.0
+    """Seconds per drafted token (one draft-model step); 0 for n-gram."""
+    draft_overhead_seconds: float = 0.0
+    """Fixed seconds of a step with k > 0 (the draft's catch-up forward over accepted tokens)."""
+
+    def __post_init__(self) -> None:
+        if not self.target_seconds:
+            raise ValueError("target_seconds needs at least the 1-token forward time")
+        if any(s <= 0 for s in self.target_seconds):
+            raise ValueError(f"target_seconds must be > 0, got {self.target_seconds}")
+        if self.draft_step_seconds < 0 or self.draft_overhead_seconds < 0:
+            raise ValueError(
+                f"draft costs must be >= 0, got draft_step_seconds={self.draft_step_seconds}, "
+                f"draft_overhead_seconds={self.draft_overhead_seconds}"
+            )
+
+    @classmethod
+    def from_points(
+        cls,
+        points: Mapping[int, float],
+        max_tokens: int,
+        draft_step_seconds: float = 0.0,
+        draft_overhead_seconds: float = 0.0,
+    ) -> CostModel:
+        """Build the table for t = 1..max_tokens from a few measured forwards ({t: seconds}).
+
+        Linear interpolation between measured t, linear extrapolation beyond (as
+        ``target_forward_seconds``); e.g. DESIGN.md's int8 target: {1: .036, 4: .070, 8: .074}.
+        """
+        if 1 not in points:
+            raise ValueError(f"points must include t=1, got {sorted(points)}")
+        ts = sorted(points)
+        table = []
+        for t in range(1, max_tokens + 1):
+            table.append(_piecewise_linear(ts, [points[x] for x in ts], t))
+        return cls(tuple(table), draft_step_seconds, draft_overhead_seconds)
+
+    def target_forward_seconds(self, t: int) -> float:
+        """Seconds of a target forward over t >= 1 new tokens.
+
+        Beyond the table: extend the line through the last two entries (slope clamped at
+        >= 0, a longer forward is never cheaper); a one-entry table is taken as flat.
+        """
+        if t < 1:
+            raise ValueError(f"a target forward covers at least 1 token, got t={t}")
+        table = self.target_seconds
+        if t <= len(table):
+            return table[t - 1]
+        slope = max(0.0, table[-1] - table[-2]) if len(table) >= 2 else 0.0
+        return table[-1] + slope * (t - len(table))
+
+    def step_seconds(self, k: int) -> float:
+        """Seconds of one step with draft length k: target over k+1 tokens plus k draft steps."""
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        seconds = self.target_forward_seconds(k + 1) + k * self.draft_step_seconds
+        if k > 0:
+            seconds += self.draft_overhead_seconds
+        return seconds
+
+
+def _piecewise_linear(xs: list[int], ys: list[float], x: int) -> float:
+    """Linear interpolation through sorted (xs, ys); linear extrapolation (slope >= 0) beyond."""
+    if len(xs) == 1:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i] or i == len(xs) - 1:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            slope = (y1 - y0) / (x1 - x0)
+            if x > x1:
+                slope = max(0.0, slope)
+            return y0 + slope * (x - x0)
+    raise AssertionError("unreachable")
+
+
+class AcceptanceTracker:
+    """Per-request estimate of α_i = P(accept position i | positions 0..i-1 accepted).
+
+    Each position keeps an exponential moving average of its accept (1) / reject (0)
+    observations: ``α_i <- decay * α_i + (1 - decay) * x``. ``decay = 0.9`` remembers about
+    the last 10 observations, so the estimate follows a change of text (prose -> code)
+    within a few steps while one unlucky step moves it by only 10%. Before any
+    observation, α_0 is ``prior = 0.6`` (optimistic enough to try drafting, near the
+    acceptance of a typical draft model). A position never observed yet takes the
+    estimate of the deepest observed position: acceptance at depth i is about as likely
+    as at depth i-1, and a prior there would stall k below its best value (position k is
+    only ever observed once k+1 tokens are drafted). Its first observation starts its own
+    average from that borrowed value.
+    """
+
+    def __init__(self, prior: float = 0.6, decay: float = 0.9) -> None:
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior must lie in [0, 1], got {prior}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must lie in [0, 1), got {decay}")
+        self.prior = prior
+        self.decay = decay
+        self._alpha: list[float] = []  # [num observed positions]: EMA per position
+
+    def alpha(self, i: int) -> float:
+        """Estimated conditional acceptance probability at draft position i (0-based)."""
+        if i < len(self._alpha):
+            return self._alpha[i]
+        return self._alpha[-1] if self._alpha else self.prior
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Record one step: positions 0..a-1 accepted, a rejected if a < drafted, rest unseen."""
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"need 0 <= num_accepted ({num_accepted}) <= num_drafted ({num_drafted})")
+        observed = min(num_drafted, num_accepted + 1)  # positions with an accept/reject outcome
+        while len(self._alpha) < observed:
+            self._alpha.append(self.alpha(len(self._alpha)))  # start from the borrowed value
+        d = self.decay
+        for i in range(observed):
+            x = 1.0 if i < num_accepted else 0.0
+            self._alpha[i] = d * self._alpha[i] + (1.0 - d) * x
+
+    def expected_tokens(self, k: int) -> float:
+        """Expected output tokens of a step with draft length k (accepted + recovered/bonus).
+
+        = 1 + sum_{i=1..k} prod_{j=0..i-1} α_j: position i-1 contributes a token only if
+        every position before it was accepted; the final 1 is the recovered or bonus token.
+        """
+        total, reach = 1.0, 1.0
+        for j in range(k):
+            reach *= self.alpha(j)  # P(positions 0..j all accepted)
+            total += reach
+        return total
+
+
+def choose_k(tracker: AcceptanceTracker, cost: CostModel, k_max: int) -> int:
+    """argmax over k in 0..k_max of expected tokens per second; ties go to the smaller k."""
+    best_k, best_rate = 0, tracker.expected_tokens(0) / cost.step_seconds(0)
+    total, reach = 1.0, 1.0
+    for k in range(1, max(0, k_max) + 1):
+        reach *= tracker.alpha(k - 1)
+        total += reach  # == tracker.expected_tokens(k), incrementally
+        rate = total / cost.step_seconds(k)
+        if rate > best_rate * (1.0 + 1e-9):  # relative margin: float noise is a tie
+            best_k, best_rate = k, rate
+    return best_k
+
+
+class AdaptiveK:
+    """Draft-length policy of one request: adaptive (tracker + cost model) or fixed.
+
+    Exploration: once k = 0 is chosen, the tracker stops getting observations and could
+    never learn that the proposer became useful (an n-gram proposer when the text turns
+    repetitive). So after ``probe_interval`` consecutive k = 0 steps we probe once with
+    k = 1. A rejected probe doubles the interval (16, 32, 64 = ``max_probe_interval``), so a
+    useless proposer pays for at most 1 probe in 65 steps, while a proposer that turns
+    useful is noticed within 65 steps; an accepted probe resets the interval. A probe also
+    feeds the tracker, so a useless drafter's α_0 keeps falling and k stays 0.
+    """
+
+    def __init__(
+        self,
+        cost: CostModel | None = None,
+        *,
+        fixed_k: int | None = None,
+        prior: float = 0.6,
+        decay: float = 0.9,
+        probe_interval: int = 16,
+        max_probe_interval: int = 64,
+    ) -> None:
+        if fixed_k is None and cost is None:
+            raise ValueError("AdaptiveK needs a cost model, or fixed_k for a fixed draft length")
+        if fixed_k is not None and fixed_k < 0:
+            raise ValueError(f"fixed_k must be >= 0, got {fixed_k}")
+        if not 1 <= probe_interval <= max_probe_interval:
+            raise ValueError(
+                f"need 1 <= probe_interval ({probe_interval}) <= max_probe_interval ({max_probe_interval})"
+            )
+        self.cost = cost  # mutable: the engine may swap in a re-measured model
+        self.fixed_k = fixed_k
+        self.tracker = AcceptanceTracker(prior, decay)
+        self.base_probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self.probe_interval = probe_interval
+        self._zero_streak = 0  # consecutive steps where choose_k gave 0
+        self._probing = False  # the last next_k() was a probe
+
+    def next_k(self, k_max_allowed: int) -> int:
+        """Draft length for the next step, never above ``k_max_allowed`` (see cap_draft_len)."""
+        k_max_allowed = max(0, k_max_allowed)
+        self._probing = False
+        if self.fixed_k is not None:
+            return min(self.fixed_k, k_max_allowed)
+        if k_max_allowed == 0:
+            return 0  # forced plain step: says nothing about the proposer, leave the streak alone
+        assert self.cost is not None
+        k = choose_k(self.tracker, self.cost, k_max_allowed)
+        if k > 0:
+            self._zero_streak = 0
+            return k
+        self._zero_streak += 1
+        if self._zero_streak > self.probe_interval:
+            self._zero_streak = 0
+            self._probing = True
+            return 1
+        return 0
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """Feed back one step's outcome (the proposer may have drafted fewer than k)."""
+        self.tracker.update(num_drafted, num_accepted)
+        if self._probing and num_drafted > 0:
+            if num_accepted > 0:
+                self.probe_interval = self.base_probe_interval
+            else:
+                self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+        self._probing = False

@@ -1,0 +1,178 @@
+"""The speculative step loop for one sequence: propose, verify in one target forward, truncate, adapt."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.engine.adaptive import AdaptiveK, CostModel
+from specdecode.engine.sequence import Sequence
+from specdecode.model.transformer import Transformer
+from specdecode.proposers.base import Draft, Proposer
+from specdecode.proposers.ngram_match import cap_draft_len
+from specdecode.sampling import (
+    block_output_counts,
+    draw_uniforms,
+    logits_to_probs,
+    sample_from_probs,
+)
+from specdecode.verify import verify_chain, verify_greedy
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]
+    num_drafted: int
+    num_accepted: int
+    draft_seconds: float
+    verify_seconds: float
+
+
+class SpeculativeDecoder:
+    """Owns the target's KV cache; the only place that changes its length."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        max_len: int,
+        proposer: Proposer | None = None,
+        k_max: int = 0,
+        fixed_k: int | None = None,
+    ) -> None:
+        self.target = target
+        self.cache = target.new_cache(1, max_len)
+        self.max_len = max_len
+        self.proposer = proposer
+        self.k_max = k_max if proposer is not None else 0
+        self.fixed_k = fixed_k
+        self.cost: CostModel | None = None
+
+    # ---- one target forward over [pending token] + draft ------------------------------------
+
+    def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Run the target over tokens at positions start..; fp32 logits [T, V]."""
+        dev = self.target.device
+        ids = torch.tensor([tokens], device=dev)
+        pos = torch.arange(start, start + len(tokens), device=dev).unsqueeze(0)
+        hidden = self.target(ids, pos, self.cache)
+        return self.target.compute_logits(hidden[0])
+
+    def prefill(self, seq: Sequence) -> None:
+        """Process the prompt, emit the first token, start the proposer."""
+        t0 = time.perf_counter()
+        self.cache.reset()
+        logits = self._forward(seq.token_ids, 0)[-1:]  # [1, V]
+        self.cache.set_length(0, seq.prompt_len)
+        first = self._sample(seq, logits, [])[0]
+        if self.proposer is not None:
+            self.proposer.begin(seq.view())
+        seq.prefill_seconds = time.perf_counter() - t0
+        seq.stats.observe(0, 0, 1, 0.0, seq.prefill_seconds)
+        seq.append(first)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, draft: list[int]) -> list[int]:
+        """Processed target argmax/sample per row, for plain steps; logits [T, V]."""
+        params = seq.params
+        if params.greedy and not params.has_penalties:
+            return logits.argmax(-1).tolist()
+        probs = self._target_probs(seq, logits, draft)
+        if params.greedy:
+            return probs.argmax(-1).tolist()
+        return sample_from_probs(probs, draw_uniforms(probs.shape[0], seq.generator)).tolist()
+
+    def _target_probs(self, seq: Sequence, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
+        counts = None
+        if seq.output_counts is not None:
+            # Position i is conditioned on the draft tokens before it, as output.
+            counts = block_output_counts(seq.output_counts, torch.tensor(draft, dtype=torch.long))
+        return logits_to_probs(logits, seq.params, counts, seq.prompt_mask)  # [k+1, V]
+
+    def step(self, seq: Sequence, k: int) -> StepResult:
+        """Propose k tokens, verify them in one target forward, roll the cache back to what was kept."""
+        t0 = time.perf_counter()
+        draft = self.proposer.propose(seq.view(), k) if (self.proposer is not None and k > 0) else Draft()
+        t1 = time.perf_counter()
+        n = len(seq.token_ids)  # the cache holds n-1 tokens; the last one is pending
+        logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [k+1, V]
+        params = seq.params
+        draft_t = torch.tensor(draft.tokens, dtype=torch.long)
+        if params.greedy:
+            argmax = torch.tensor(self._sample(seq, logits, draft.tokens))
+            out, accepted = verify_greedy(draft_t, argmax)
+        else:
+            target_probs = self._target_probs(seq, logits, draft.tokens)
+            u = draw_uniforms(len(draft) + 1, seq.generator)
+            out, accepted = verify_chain(draft_t, draft.probs, target_probs.cpu(), u[:-1], float(u[-1]))
+        # Kept: the pending token and the accepted drafts; the new token becomes pending.
+        self.cache.set_length(0, n + accepted)
+        return StepResult(out.tolist(), len(draft), accepted, t1 - t0, time.perf_counter() - t1)
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def new_policy(self) -> AdaptiveK | None:
+        if self.proposer is None:
+            return None
+        if self.fixed_k is not None:
+            return AdaptiveK(fixed_k=self.fixed_k)
+        return AdaptiveK(self.cost)
+
+    def generate(self, seq: Sequence, on_step: Callable[[Sequence], None] | None = None) -> Sequence:
+        """Run seq to completion: propose -> verify -> truncate -> observe -> adapt."""
+        for _ in self.iterate(seq):
+            if on_step is not None:
+                on_step(seq)
+        return seq
+
+    def iterate(self, seq: Sequence) -> Iterator[Sequence]:
+        """Yield after prefill and after each step (for streaming)."""
+        if len(seq.token_ids) >= self.max_len:
+            raise ValueError(f"prompt of {len(seq.token_ids)} tokens does not fit the context of {self.max_len}")
+        self.prefill(seq)
+        yield seq
+        policy = self.new_policy()
+        while not seq.finished:
+            if len(seq.token_ids) >= self.max_len:
+                seq.finish_length()
+                break
+            k_allowed = cap_draft_len(
+                self.k_max, len(seq.token_ids), self.max_len, seq.params.max_tokens - seq.num_output
+            )
+            k = policy.next_k(k_allowed) if policy is not None else 0
+            res = self.step(seq, k)
+            emitted = 0
+            for tok in res.tokens:
+                seq.append(tok)
+                emitted += 1
+                if seq.finished:
+                    break
+            seq.stats.observe(res.num_drafted, res.num_accepted, emitted, res.draft_seconds, res.verify_seconds)
+            if policy is not None:
+                policy.observe(res.num_drafted, res.num_accepted)
+            if self.proposer is not None and not seq.finished:
+                self.proposer.on_verified(seq.view(), res.num_accepted)
+            yield seq
+
+    # ---- cost model for adaptive k ---------------------------------------------------------------
+
+    def measure_cost(self, context: int = 128, repeats: int = 3) -> CostModel:
+        """Time target forwards over t = 1..k_max+1 tokens and one draft step, at start-up."""
+        ts = sorted({1, 2, 3, 4, 6, 8, self.k_max + 1} & set(range(1, self.k_max + 2)))
+        context = min(context, self.max_len - self.k_max - 2)
+        tokens = [1] * context
+        self._forward(tokens, 0)  # warm-up and a realistic cache
+        points: dict[int, float] = {}
+        for t in ts:
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self._forward([1] * t, context)
+                samples.append(time.perf_counter() - t0)
+            points[t] = statistics.median(samples)
+        self.cache.reset()
+        draft_step = self.proposer.step_cost_hint() if self.proposer is not None else 0.0
+        self.cost = CostModel.from_points(points, self.k_max + 1, draft_step_seconds=draft_step)
+        return self.cost

@@ -1,0 +1,134 @@
+"""The Python API, in vLLM's shape: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from specdecode.config import SpeculativeConfig
+from specdecode.engine.decoder import SpeculativeDecoder
+from specdecode.engine.sequence import RequestOutput, Sequence
+from specdecode.engine.validation import check_memory, check_vocab_compatible, estimate_bytes
+from specdecode.fetch import resolve_model
+from specdecode.model.load import LoadedModel, default_device, load_resolved, parse_dtype, read_config
+from specdecode.proposers.base import Proposer
+from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.ngram import NgramProposer
+from specdecode.sampling import SamplingParams
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """Load a target (and optionally a proposer) once; generate for many prompts.
+
+    Args:
+        model: alias (fetched if missing), path to a .gguf file, or a Hugging Face directory.
+        dtype: "bf16" (default, fast on CPU) or "fp32" (exact tests).
+        device: "cpu", "cuda", ...; default cuda when available.
+        speculative_config: dict / JSON / SpeculativeConfig, e.g.
+            {"method": "draft", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}.
+        max_model_len: context to allocate KV cache for (default min(model's, 8192)).
+        seed: default seed of requests that give none.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str | torch.dtype = "bf16",
+        device: str | torch.device | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.spec = SpeculativeConfig.from_any(speculative_config)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = parse_dtype(dtype)
+        self.seed = seed
+        self._ids = itertools.count()
+
+        target_path = resolve_model(model)
+        target_cfg = read_config(target_path)
+        self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, target_cfg.max_position_embeddings)
+        draft_path = draft_cfg = None
+        draft_dtype = parse_dtype(self.spec.draft_dtype) if self.spec else self.dtype
+        parts = [("target", estimate_bytes(target_cfg, self.dtype, self.max_model_len))]
+        if self.spec is not None and self.spec.method == "draft":
+            draft_path = resolve_model(str(self.spec.model))
+            draft_cfg = read_config(draft_path)
+            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len)))
+        check_memory(parts, self.device)  # before any weight is loaded
+
+        self.target: LoadedModel = load_resolved(target_path, model, self.dtype, self.device)
+        self.tokenizer = self.target.tokenizer
+        proposer: Proposer | None = None
+        if self.spec is not None and self.spec.method == "draft":
+            assert draft_path is not None
+            draft = load_resolved(draft_path, str(self.spec.model), draft_dtype, self.device)
+            check_vocab_compatible(model, self.tokenizer, str(self.spec.model), draft.tokenizer)
+            if draft.config.vocab_size != target_cfg.vocab_size:
+                check_vocab_compatible(model, self.tokenizer, str(self.spec.model), draft.tokenizer)
+            self.draft: LoadedModel | None = draft
+            proposer = DraftModelProposer(draft.model, self.max_model_len)
+        elif self.spec is not None:
+            self.draft = None
+            proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        else:
+            self.draft = None
+        k_max = self.spec.k_max if self.spec is not None else 0
+        fixed = None if (self.spec is None or self.spec.adaptive) else int(self.spec.num_speculative_tokens)
+        self.decoder = SpeculativeDecoder(self.target.model, self.max_model_len, proposer, k_max, fixed)
+        if proposer is not None and fixed is None:
+            self.decoder.measure_cost()
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def _new_sequence(self, prompt: Prompt, params: SamplingParams, text: str | None = None) -> Sequence:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
+                f"{self.max_model_len}"
+            )
+        return Sequence(
+            str(next(self._ids)), ids, params, self.tokenizer, self.target.config.vocab_size, self.device,
+            self.seed, prompt=text if text is not None else (prompt if isinstance(prompt, str) else None),
+        )
+
+    def generate(
+        self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs in prompt order."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        seqs = [self._new_sequence(p, params) for p in prompts]  # validate all before any compute
+        return [self.decoder.generate(s).to_output() for s in seqs]
+
+    def chat_prompt_ids(self, messages: Messages) -> list[int]:
+        if not messages:
+            raise ValueError("messages is empty")
+        return self.tokenizer.apply_chat_template(messages)
+
+    def chat(
+        self, messages: Messages | list[Messages], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.chat_prompt_ids(m) for m in conversations], sampling_params)  # type: ignore[arg-type]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[tuple[str, Sequence]]:
+        """Yield (new text, sequence) after every step; the text never contains part of a stop string."""
+        seq = self._new_sequence(prompt, sampling_params or SamplingParams())
+        for s in self.decoder.iterate(seq):
+            delta = s.take_stream_text()
+            if delta or s.finished:
+                yield delta, s

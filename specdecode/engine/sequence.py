@@ -1,0 +1,149 @@
+"""One request's state: tokens, penalty counters, random generator, text, stop status."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from specdecode.metrics import SpecStats
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.proposers.base import SequenceView
+from specdecode.sampling import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    """vLLM-style per-completion view (`request_output.outputs[0]`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    """"stop" (EOS, stop token or stop string) or "length" (max_tokens or context)."""
+    metrics: dict = field(default_factory=dict)
+    """prompt_tokens, output_tokens, seconds, tokens_per_second, prefill_seconds + speculative stats."""
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        device: torch.device,
+        default_seed: int,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.token_ids = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        seed = params.seed if params.seed is not None else default_seed
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.output_counts: torch.Tensor | None = None
+        self.prompt_mask: torch.Tensor | None = None
+        if params.has_penalties:
+            self.output_counts = torch.zeros(vocab_size, dtype=torch.long, device=device)
+            self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.prompt_mask[torch.tensor(prompt_ids, device=device)] = True
+        self.eos_token_id = tokenizer.eos_token_id
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStringMatcher(params.stop)
+        self.text = ""
+        self.emitted_chars = 0
+        self.finish_reason: str | None = None
+        self.stats = SpecStats()
+        self.start_time = time.perf_counter()
+        self.prefill_seconds = 0.0
+        self.end_time: float | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def view(self) -> SequenceView:
+        return SequenceView(
+            self.token_ids, self.prompt_len, self.params, self.generator, self.output_counts, self.prompt_mask
+        )
+
+    def append(self, token: int) -> None:
+        """Add one generated token and apply the stop rules; nothing is added after a stop."""
+        if self.finished:
+            raise RuntimeError("sequence already finished")
+        self.token_ids.append(token)
+        if self.output_counts is not None:
+            self.output_counts[token] += 1
+        params = self.params
+        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+            self._finish("stop")
+            return
+        delta = self.detok.add(token)
+        if delta:
+            self.text += delta
+            cut = self.stops.find(self.text, len(delta))
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self._finish("stop")
+                return
+        if self.num_output >= params.max_tokens:
+            self._finish("length")
+
+    def finish_length(self) -> None:
+        """The context is full: no room for another token."""
+        self._finish("length")
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.end_time = time.perf_counter()
+
+    def take_stream_text(self) -> str:
+        """Text not yet streamed that can no longer turn into a stop string."""
+        limit = len(self.text) if self.finished else self.stops.safe_len(self.text)
+        out = self.text[self.emitted_chars : limit]
+        self.emitted_chars = max(self.emitted_chars, limit)
+        return out
+
+    def to_output(self) -> RequestOutput:
+        end = self.end_time or time.perf_counter()
+        seconds = end - self.start_time
+        n = self.num_output
+        metrics = {
+            "prompt_tokens": self.prompt_len,
+            "output_tokens": n,
+            "seconds": seconds,
+            "tokens_per_second": n / seconds if seconds > 0 else 0.0,
+            "prefill_seconds": self.prefill_seconds,
+            **self.stats.to_dict(),
+        }
+        return RequestOutput(
+            self.request_id, self.prompt, self.token_ids[: self.prompt_len], self.text, self.output_ids,
+            self.finish_reason, metrics,
+        )

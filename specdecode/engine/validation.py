@@ -1,0 +1,68 @@
+"""Start-up checks: draft/target compatibility and memory, before any generation."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from specdecode.model.config import ModelConfig
+from specdecode.model.tokenizer import Tokenizer
+
+
+class IncompatibleDraftError(ValueError):
+    """The draft cannot propose tokens the target understands."""
+
+
+class InsufficientMemoryError(MemoryError):
+    """Loading these models with these caches would exceed available memory."""
+
+
+def check_vocab_compatible(target_name: str, target: Tokenizer, draft_name: str, draft: Tokenizer) -> None:
+    """Refuse a draft whose token ids mean different strings, naming both models and the first ids."""
+    tv, dv = target.vocab(), draft.vocab()
+    if len(tv) != len(dv):
+        first = next((i for i in range(min(len(tv), len(dv))) if tv.get(i) != dv.get(i)), min(len(tv), len(dv)))
+        raise IncompatibleDraftError(
+            f"draft {draft_name!r} has a vocabulary of {len(dv)} tokens but target {target_name!r} has {len(tv)}; "
+            f"first differing id {first}: target {tv.get(first)!r} vs draft {dv.get(first)!r}"
+        )
+    diff = [i for i in sorted(tv) if tv[i] != dv.get(i)]
+    if diff:
+        shown = ", ".join(f"{i}: target {tv[i]!r} vs draft {dv.get(i)!r}" for i in diff[:3])
+        raise IncompatibleDraftError(
+            f"draft {draft_name!r} and target {target_name!r} map {len(diff)} token ids to different strings; "
+            f"first differing ids: {shown}"
+        )
+    ts, ds = target.special_tokens(), draft.special_tokens()
+    if ts["eos"] != ds["eos"]:
+        raise IncompatibleDraftError(
+            f"draft {draft_name!r} ends with EOS id {ds['eos']} but target {target_name!r} with {ts['eos']}"
+        )
+
+
+def estimate_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int, batch: int = 1) -> int:
+    """Weights in `dtype` plus a KV cache of max_len tokens per row, plus activation headroom."""
+    width = torch.finfo(dtype).bits // 8
+    weights = cfg.num_parameters() * width
+    kv = cfg.kv_bytes_per_token(width) * max_len * batch
+    headroom = 4 * cfg.vocab_size * 4 * 16 + 64 * 2**20  # logits of a 16-token verify + runtime slack
+    return weights + kv + headroom
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def check_memory(parts: list[tuple[str, int]], device: torch.device) -> None:
+    """parts: (label, bytes). Refuse before loading if the sum exceeds what is free."""
+    need = sum(b for _, b in parts)
+    have = available_bytes(device)
+    if need > have:
+        detail = ", ".join(f"{label} {b / 2**30:.2f} GiB" for label, b in parts)
+        raise InsufficientMemoryError(
+            f"need about {need / 2**30:.2f} GiB ({detail}) but only {have / 2**30:.2f} GiB is available on "
+            f"{device}; lower max_model_len, use a smaller dtype or a smaller draft"
+        )

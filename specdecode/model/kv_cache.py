@@ -1,0 +1,81 @@
+"""Static, slot-indexed KV cache. The cache owns lengths and rollback.
+
+Entries are written at explicit *slots*; for a chain slot == position, for a tree the
+nodes of one step occupy consecutive slots while their rope positions repeat by depth.
+Rejecting draft tokens is a length change (`truncate`), never a copy; after a tree step
+`compact` moves the accepted path's entries into place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, kvh, S, hd]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.lengths = [0] * batch_size
+        """Valid prefix length per row: slots [0, length) hold the sequence's tokens."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [B, kvh, T, hd] at slots [B, T] of `layer`."""
+        b, t = slots.shape
+        start = slots[0, 0].item() if b == 1 else -1
+        if b == 1 and slots[0, -1].item() == start + t - 1:
+            # Contiguous single-row write (the common chain case): a slice copy.
+            self.k[layer, :, :, start : start + t] = k
+            self.v[layer, :, :, start : start + t] = v
+            return
+        rows = torch.arange(b, device=slots.device).unsqueeze(1).expand(b, t)
+        # Index a [B, S, kvh, hd] view so advanced indexing writes through to storage.
+        self.k[layer].transpose(1, 2)[rows, slots] = k.transpose(1, 2)
+        self.v[layer].transpose(1, 2)[rows, slots] = v.transpose(1, 2)
+
+    def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots [0, kv_len): [B, kvh, kv_len, hd] views."""
+        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+
+    def set_length(self, row: int, n: int) -> None:
+        if not 0 <= n <= self.max_len:
+            raise ValueError(f"cache length {n} outside [0, {self.max_len}]")
+        self.lengths[row] = n
+
+    def truncate(self, n: int, row: int = 0) -> None:
+        """Forget everything from slot n on (rejected drafts): a length change only."""
+        if n > self.lengths[row]:
+            raise ValueError(f"cannot truncate row {row} from {self.lengths[row]} up to {n}")
+        self.lengths[row] = n
+
+    def compact(self, row: int, src_slots: list[int], dst_start: int) -> None:
+        """Move the entries at `src_slots` to dst_start.. (accepted tree path)."""
+        if not src_slots:
+            return
+        src = torch.tensor(src_slots, device=self.k.device)
+        n = len(src_slots)
+        self.k[:, row, :, dst_start : dst_start + n] = self.k[:, row, :, src]
+        self.v[:, row, :, dst_start : dst_start + n] = self.v[:, row, :, src]
+
+    def reset(self, row: int | None = None) -> None:
+        if row is None:
+            self.lengths = [0] * self.batch_size
+        else:
+            self.lengths[row] = 0

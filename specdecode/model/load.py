@@ -1,0 +1,159 @@
+"""Turn a model name (alias, .gguf file or HF directory) into our Transformer + Tokenizer.
+
+GGUF dequantization takes tens of seconds for the 1.5B model, so the first load writes a
+converted copy (safetensors in the requested dtype + tokenizer files) under
+`<SPECDECODE_HOME>/converted/`; later loads memory-map it and take seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specdecode.fetch import models_home, resolve_model
+from specdecode.model.config import ModelConfig
+from specdecode.model.gguf_loader import CorruptModelError, config_from_gguf, iter_state_dict, open_gguf
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.model.transformer import Transformer
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of bf16, fp32, fp16")
+    return DTYPES[dtype]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    name: str
+
+
+def _dtype_tag(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    allowed_missing = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise CorruptModelError(f"weights do not match the architecture: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device).eval()
+
+
+def _read_safetensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                out[key] = sf.get_tensor(key).to(dtype)
+    return out
+
+
+def _converted_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    return models_home() / "converted" / f"{gguf_path.stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def _convert_gguf(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> None:
+    """Dequantize once and store config, weights and tokenizer under out_dir (atomically)."""
+    reader = open_gguf(gguf_path)
+    cfg = config_from_gguf(reader)
+    tensors = dict(iter_state_dict(reader, cfg, dtype))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
+    try:
+        if not out_dir.exists():
+            Tokenizer.from_gguf(gguf_path).save(tmp)
+            (tmp / "specdecode_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+        save_file(tensors, str(tmp / f"model-{_dtype_tag(dtype)}.safetensors"))
+        out_dir.mkdir(exist_ok=True)
+        for f in tmp.iterdir():
+            f.replace(out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer, ModelConfig]:
+    conv = _converted_dir(path)
+    weights = conv / f"model-{_dtype_tag(dtype)}.safetensors"
+    if not weights.exists():
+        try:
+            _convert_gguf(path, dtype, conv)
+        except CorruptModelError:
+            _forget_cached(path)
+            raise
+    cfg = ModelConfig(**json.loads((conv / "specdecode_config.json").read_text()))
+    model = _build(cfg, _read_safetensors([weights], dtype), device)
+    return model, Tokenizer.from_dir(conv), cfg
+
+
+def _forget_cached(path: Path) -> None:
+    """A damaged file inside our cache is removed so the next run fetches it again."""
+    home = models_home().resolve()
+    if home in path.resolve().parents:
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".sha256").unlink(missing_ok=True)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer, ModelConfig]:
+    cfg = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    model = _build(cfg, _read_safetensors(files, dtype), device)
+    return model, Tokenizer.from_dir(path), cfg
+
+
+def load_model(
+    name: str | Path, dtype: str | torch.dtype = "bf16", device: str | torch.device | None = None
+) -> LoadedModel:
+    """Resolve (fetching a missing alias), load weights and tokenizer."""
+    path = resolve_model(str(name))
+    torch_dtype = parse_dtype(dtype)
+    dev = torch.device(device) if device is not None else default_device()
+    return load_resolved(path, str(name), torch_dtype, dev)
+
+
+def read_config(path: Path) -> ModelConfig:
+    """The architecture of a resolved model path, without loading weights (for memory checks)."""
+    if path.is_dir():
+        return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    conv = _converted_dir(path) / "specdecode_config.json"
+    if conv.exists():
+        return ModelConfig(**json.loads(conv.read_text()))
+    try:
+        return config_from_gguf(open_gguf(path))
+    except CorruptModelError:
+        _forget_cached(path)
+        raise
+
+
+def load_resolved(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    if path.is_dir():
+        model, tok, cfg = _load_hf_dir(path, dtype, device)
+    else:
+        model, tok, cfg = _load_gguf(path, dtype, device)
+    return LoadedModel(model=model, tokenizer=tok, config=cfg, path=path, name=name)

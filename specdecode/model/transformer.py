@@ -1,0 +1,184 @@
+"""Our Llama/Qwen2-family decoder in plain PyTorch (gpt-fast style).
+
+Module names follow Hugging Face's state-dict keys so safetensors load without renaming.
+The forward takes explicit rope positions, explicit cache slots and an optional
+explicit attention mask: trees pass both, chains rely on the default causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.model.config import ModelConfig
+from specdecode.model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, as the reference implementation does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_len, head_dim] in fp32 (HF rotate_half layout)."""
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).float() / cfg.head_dim)
+    )
+    t = torch.arange(max_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, hd]; cos/sin [B, 1, T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * self.hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * self.hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, D]
+        cos: torch.Tensor,  # [B, 1, T, hd]
+        sin: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,  # [B, T]
+        kv_len: int,
+        mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer_idx, slots, k, v)
+        keys, values = cache.read(self.layer_idx, kv_len)  # [B, kvh, S, hd]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, slots, kv_len, mask):  # noqa: ANN001 - shapes as in Attention
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, kv_len, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """HF's `model.*` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        cfg = self.config
+        return KVCache(
+            cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim, dtype or self.dtype, self.device
+        )
+
+    def _rope_for(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].shape[0] < max_len or self._rope[0].device != self.device:
+            self._rope = rope_tables(self.config, max(max_len, 256), self.device)
+        return self._rope
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T] rope positions
+        cache: KVCache,
+        slots: torch.Tensor | None = None,  # [B, T] cache slots; default = positions
+        attn_mask: torch.Tensor | None = None,  # [B, T, S] bool over cache slots, True = attend
+    ) -> torch.Tensor:
+        """Run the decoder, writing K/V at `slots`; returns final-norm hidden states [B, T, D].
+
+        Cache lengths are not changed here: the engine step owns them.
+        """
+        if slots is None:
+            slots = positions
+        b, t = tokens.shape
+        if attn_mask is None:
+            kv_len = int(slots.max()) + 1
+            if b == 1 and t == 1:
+                mask = None  # one query sees every slot up to its own
+            else:
+                mask = torch.arange(kv_len, device=tokens.device).view(1, 1, kv_len) <= slots.unsqueeze(-1)
+                mask = mask.unsqueeze(1)
+        else:
+            kv_len = attn_mask.shape[-1]
+            mask = attn_mask.unsqueeze(1)
+        if kv_len > cache.max_len:
+            raise ValueError(f"cache slot {kv_len - 1} beyond the cache size {cache.max_len}")
+        cos_t, sin_t = self._rope_for(cache.max_len)
+        dt = self.dtype
+        cos = cos_t[positions].to(dt).unsqueeze(1)  # [B, 1, T, hd]
+        sin = sin_t[positions].to(dt).unsqueeze(1)
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, slots, kv_len, mask)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> fp32 logits [..., V]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,98 @@
+"""A small model of the same tokenizer, run autoregressively, with its own KV cache.
+
+Its precision never changes the output (the verifier corrects it), so it runs in
+whatever format is fastest for one token at a time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from specdecode.model.transformer import Transformer
+from specdecode.proposers.base import Draft, SequenceView
+from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, model: Transformer, max_len: int) -> None:
+        self.model = model
+        self.cache = model.new_cache(1, max_len)
+        self.num_cached = 0
+        """Tokens of the sequence whose K/V are valid in our cache (slots [0, num_cached))."""
+        self._cost = 0.0
+
+    def begin(self, seq: SequenceView) -> None:
+        self.cache.reset()
+        self.num_cached = 0
+        # Prefill all but the last prompt token; `propose` always feeds the pending tail.
+        self._feed(seq.token_ids[: seq.prompt_len - 1])
+
+    def _feed(self, ids: list[int]) -> torch.Tensor | None:
+        """Append ids to our cache; returns fp32 logits of the last one [V]."""
+        if not ids:
+            return None
+        dev = self.model.device
+        start = self.num_cached
+        tokens = torch.tensor([ids], device=dev)
+        positions = torch.arange(start, start + len(ids), device=dev).unsqueeze(0)
+        hidden = self.model(tokens, positions, self.cache)
+        self.num_cached = start + len(ids)
+        self.cache.set_length(0, self.num_cached)
+        return self.model.compute_logits(hidden[0, -1])
+
+    def propose(self, seq: SequenceView, k: int) -> Draft:
+        if k <= 0:
+            return Draft()
+        params = seq.params
+        logits = self._feed(seq.token_ids[self.num_cached :])
+        if logits is None:  # cannot happen once begin() ran; keeps the invariant explicit
+            raise RuntimeError("draft cache is ahead of the sequence")
+        tokens: list[int] = []
+        probs_rows: list[torch.Tensor] = []
+        stochastic = not params.greedy
+        counts = seq.output_counts
+        for i in range(k):
+            if params.greedy and not params.has_penalties:
+                tok = int(logits.argmax())
+            else:
+                row_counts = None
+                if counts is not None:
+                    # Position i sees the draft tokens before it as output, as the target will.
+                    row_counts = block_output_counts(counts, torch.tensor(tokens, dtype=torch.long))[-1]
+                probs = logits_to_probs(logits, params, row_counts, seq.prompt_mask)  # [V]
+                if stochastic:
+                    tok = int(sample_from_probs(probs, draw_uniforms(1, seq.generator)[0]))
+                    probs_rows.append(probs)
+                else:
+                    tok = int(probs.argmax())
+            tokens.append(tok)
+            if i + 1 < k:
+                logits = self._feed([tok])
+        return Draft(tokens, torch.stack(probs_rows) if stochastic else None)
+
+    def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
+        # Our cache holds the prefix plus the first k-1 draft tokens; keep only accepted ones.
+        valid = len(seq.token_ids) - 1  # everything but the step's new token is final
+        self.num_cached = min(self.num_cached, valid)
+        self.cache.set_length(0, self.num_cached)
+
+    def step_cost_hint(self) -> float:
+        """Seconds of one single-token draft forward, measured once (median of 5 after a warm-up)."""
+        if self._cost == 0.0:
+            self.cache.reset()
+            self.num_cached = 0
+            self._feed([1] * 64)
+            samples = []
+            for _ in range(6):
+                t0 = time.perf_counter()
+                self._feed([1])
+                samples.append(time.perf_counter() - t0)
+            self._cost = statistics.median(samples[1:])
+            self.cache.reset()
+            self.num_cached = 0
+        return self._cost

@@ -1,0 +1,230 @@
+"""Sampling parameters and the one `logits -> probs` function used for draft AND target.
+
+Rejection sampling is lossless only if the draft and the target distributions are
+processed by the same rules, so every proposer and the verifier call `logits_to_probs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, named and defaulted as in vLLM."""
+
+    max_tokens: int = 16
+    """Maximum number of output tokens."""
+    temperature: float = 1.0
+    """0 means greedy (argmax after penalties)."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) disables."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability sums to >= top_p."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p * max probability."""
+    repetition_penalty: float = 1.0
+    """>1 discourages tokens seen in the prompt or the output (CTRL-style, as vLLM/HF)."""
+    presence_penalty: float = 0.0
+    """Subtracted from logits of tokens that appear in the output (OpenAI semantics)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from logits once per occurrence in the output (OpenAI semantics)."""
+    seed: int | None = None
+    """Seed of the request's own random generator; None draws one."""
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    """Stop strings; the text is cut before the first one found."""
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    """Extra token ids that end generation (in addition to EOS)."""
+    ignore_eos: bool = False
+    """Keep generating after EOS (benchmarks)."""
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs so the dataclass stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field; called on construction."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (0.0 <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+
+
+# Boundary slack for top-p: a prefix whose mass is within float noise of top_p counts as reaching it,
+# so probs like [0.5, 0.3, ...] with top_p=0.8 keep two tokens whatever the rounding of the softmax.
+_TOP_P_TOLERANCE = 1e-6
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    output_counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Apply repetition, presence and frequency penalties to raw logits (out of place, vLLM order).
+
+    logits: [N, V] float; output_counts: [N, V] or [V] int (occurrences in the output so far);
+    prompt_mask: [N, V] or [V] bool (token appears in the prompt). Missing tensors mean "nothing seen".
+    """
+    rep = params.repetition_penalty
+    if rep != 1.0:
+        seen: torch.Tensor | None = None
+        if output_counts is not None:
+            seen = output_counts > 0
+        if prompt_mask is not None:
+            seen = prompt_mask if seen is None else seen | prompt_mask
+        if seen is not None:
+            # CTRL-style: shrink positive logits, push negative ones further down.
+            penalised = torch.where(logits > 0, logits / rep, logits * rep)
+            logits = torch.where(seen, penalised, logits)
+    if output_counts is not None:
+        # OpenAI semantics: these only look at the output, never at the prompt.
+        if params.frequency_penalty != 0.0:
+            logits = logits - params.frequency_penalty * output_counts.to(logits.dtype)
+        if params.presence_penalty != 0.0:
+            logits = logits - params.presence_penalty * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def _top_p_keep_sorted(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask of the smallest prefix of descending probs whose mass reaches top_p. [N, V'] -> bool [N, V']."""
+    # A token is kept iff the mass strictly before it has not yet reached top_p.
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [N, V']
+    keep = mass_before < top_p - _TOP_P_TOLERANCE
+    keep[..., 0] = True  # the most likely token always survives
+    return keep
+
+
+def _min_p_filter(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Zero probs below min_p * (max prob of the row). [N, V'] -> [N, V']; the max itself always survives."""
+    threshold = min_p * probs.amax(-1, keepdim=True)  # [N, 1]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def logits_to_probs(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    output_counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Turn raw logits into the processed sampling distribution, identically for draft and target.
+
+    logits: [N, V] (or [V]) of any float dtype; output_counts: [N, V] or [V] int; prompt_mask: [N, V] or
+    [V] bool. Returns float32 probs of the same shape as logits.
+
+    Order (as vLLM): penalties on raw logits; greedy (temperature 0) -> one-hot at argmax (ties -> lowest
+    id); otherwise temperature, top-k (exactly k tokens), top-p, min-p, renormalise. Filters that are
+    disabled cost nothing. The input is never modified.
+    """
+    squeeze = logits.dim() == 1
+    x = logits.to(torch.float32)  # [N, V]; may alias the input, so only out-of-place ops below
+    if squeeze:
+        x = x.unsqueeze(0)
+    if params.has_penalties:
+        x = apply_penalties(x, params, output_counts, prompt_mask)
+
+    if params.greedy:
+        # torch.argmax returns the first maximal index, i.e. ties go to the lowest token id.
+        probs = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # [N, V]
+        return probs.squeeze(0) if squeeze else probs
+
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    vocab = x.shape[-1]
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+
+    if top_k:
+        # Work on the k survivors only: topk is already sorted, so top-p needs no full-vocab sort.
+        top_vals, top_ids = torch.topk(x, top_k, dim=-1)  # [N, k], descending
+        small = torch.softmax(top_vals, dim=-1)  # [N, k]
+        if params.top_p < 1.0:
+            small = small * _top_p_keep_sorted(small, params.top_p)
+        if params.min_p > 0.0:
+            small = _min_p_filter(small, params.min_p)
+        if params.top_p < 1.0 or params.min_p > 0.0:
+            small = small / small.sum(-1, keepdim=True)
+        probs = torch.zeros_like(x).scatter_(-1, top_ids, small)  # [N, V]
+    else:
+        probs = torch.softmax(x, dim=-1)  # [N, V]
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)  # [N, V]
+            keep_sorted = _top_p_keep_sorted(sorted_probs, params.top_p)
+            keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)  # back to vocab order
+            probs = probs * keep
+        if params.min_p > 0.0:
+            probs = _min_p_filter(probs, params.min_p)
+        if params.top_p < 1.0 or params.min_p > 0.0:
+            probs = probs / probs.sum(-1, keepdim=True)
+    return probs.squeeze(0) if squeeze else probs
+
+
+def block_output_counts(base_counts: torch.Tensor, block_tokens: torch.Tensor) -> torch.Tensor:
+    """Output counts seen by each verification position of a block of draft tokens.
+
+    base_counts: [..., V] int counts of the output so far; block_tokens: [..., k] draft tokens.
+    Returns [..., k+1, V]: row i = base_counts + occurrences of block_tokens[..., :i], because the
+    target's distribution at position i is conditioned on the draft tokens before it as output.
+    """
+    k = block_tokens.shape[-1]
+    vocab = base_counts.shape[-1]
+    lead = block_tokens.shape[:-1]
+    # One-hot of each draft token placed in the row *after* it, then a prefix sum over rows.
+    steps = torch.zeros(*lead, k + 1, vocab, dtype=base_counts.dtype, device=base_counts.device)
+    if k:
+        ones = torch.ones(block_tokens.shape, dtype=base_counts.dtype, device=base_counts.device)
+        steps[..., 1:, :].scatter_add_(-1, block_tokens.unsqueeze(-1).long(), ones.unsqueeze(-1))
+    return base_counts.unsqueeze(-2) + steps.cumsum(-2)  # [..., k+1, V]
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor | float) -> torch.Tensor:
+    """Inverse-CDF sampling with the randomness passed in.
+
+    probs: [..., V] non-negative, need not be normalised (each row must have positive mass);
+    uniforms: [...] in [0, 1). Returns LongTensor [...] of token ids. A token with zero probability
+    is never returned: searchsorted(right=True) skips flat CDF steps, and the result is clamped to the
+    last token with positive mass in case u * total rounds up to total.
+    """
+    vocab = probs.shape[-1]
+    batch_shape = probs.shape[:-1]
+    # float64 CDF: a float32 cumsum over ~150k ids drifts enough to bias the tail.
+    cdf = probs.reshape(-1, vocab).to(torch.float64).cumsum(-1)  # [M, V]
+    total = cdf[:, -1:]  # [M, 1]
+    u = torch.as_tensor(uniforms, dtype=torch.float64, device=cdf.device).reshape(-1, 1)  # [M, 1]
+    ids = torch.searchsorted(cdf, u * total, right=True)  # [M, 1]: number of CDF entries <= u*total
+    last_positive = (cdf < total).sum(-1, keepdim=True)  # [M, 1]: first id where the CDF reaches total
+    return torch.minimum(ids, last_positive).reshape(batch_shape)
+
+
+def draw_uniforms(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """n float64 uniforms in [0, 1) from `generator` (on the generator's device). Returns [n]."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=device)

@@ -1,0 +1,223 @@
+"""Tests of the adaptive draft length: cost model, acceptance tracker, choose_k, AdaptiveK."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from specdecode.engine.adaptive import AcceptanceTracker, AdaptiveK, CostModel, choose_k
+
+# Measured shapes from DESIGN.md section 6 (Qwen 1.5B target on 2 CPU threads).
+INT8_TARGET = CostModel.from_points({1: 0.036, 4: 0.070, 8: 0.074, 16: 0.147}, max_tokens=17)
+FLAT = CostModel(tuple([0.1] * 9))
+
+
+# ---------------------------------------------------------------------------- CostModel
+
+
+def test_step_seconds_golden() -> None:
+    cost = CostModel((1.0, 1.5, 2.5), draft_step_seconds=0.25, draft_overhead_seconds=0.5)
+    assert cost.step_seconds(0) == pytest.approx(1.0)  # plain: no draft cost at all
+    assert cost.step_seconds(1) == pytest.approx(1.5 + 0.25 + 0.5)
+    assert cost.step_seconds(2) == pytest.approx(2.5 + 0.5 + 0.5)
+    # Beyond the table: extend the last segment (slope 1.0 per token).
+    assert cost.step_seconds(3) == pytest.approx(3.5 + 0.75 + 0.5)
+    assert cost.step_seconds(5) == pytest.approx(5.5 + 1.25 + 0.5)
+
+
+def test_extrapolation_never_decreases_and_single_entry_is_flat() -> None:
+    falling = CostModel((0.2, 0.15))  # bf16: 2 tokens measured cheaper than 1
+    assert falling.target_forward_seconds(5) == pytest.approx(0.15)
+    assert CostModel((0.3,)).target_forward_seconds(8) == pytest.approx(0.3)
+
+
+def test_from_points_interpolates() -> None:
+    assert INT8_TARGET.target_seconds[0] == pytest.approx(0.036)
+    assert INT8_TARGET.target_forward_seconds(2) == pytest.approx(0.036 + 0.034 / 3)
+    assert INT8_TARGET.target_forward_seconds(6) == pytest.approx(0.072)
+    assert INT8_TARGET.target_forward_seconds(12) == pytest.approx(0.1105)
+    assert INT8_TARGET.target_forward_seconds(17) == pytest.approx(0.147 + 0.073 / 8)
+
+
+def test_cost_model_validation() -> None:
+    with pytest.raises(ValueError):
+        CostModel(())
+    with pytest.raises(ValueError):
+        CostModel((0.1,), draft_step_seconds=-1.0)
+    with pytest.raises(ValueError):
+        FLAT.step_seconds(-1)
+
+
+# ---------------------------------------------------------------------------- AcceptanceTracker
+
+
+@pytest.mark.parametrize(
+    ("alpha", "k", "expected"),
+    [
+        (0.5, 0, 1.0),
+        (0.5, 1, 1.5),
+        (0.5, 2, 1.75),
+        (0.5, 3, 1.875),
+        (0.8, 4, 1 + 0.8 + 0.64 + 0.512 + 0.4096),
+        (1.0, 5, 6.0),
+        (0.0, 5, 1.0),
+    ],
+)
+def test_expected_tokens_constant_alpha(alpha: float, k: int, expected: float) -> None:
+    tracker = AcceptanceTracker(prior=alpha)  # no observations: every position has α = prior
+    assert tracker.expected_tokens(k) == pytest.approx(expected)
+    # Closed form of the geometric sum, (1 - α^(k+1)) / (1 - α).
+    if alpha < 1.0:
+        assert expected == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
+
+
+def test_tracker_update_prefix_semantics() -> None:
+    tracker = AcceptanceTracker(prior=0.6, decay=0.9)
+    tracker.update(num_drafted=3, num_accepted=1)  # position 0 accepted, 1 rejected, 2 unseen
+    assert tracker.alpha(0) == pytest.approx(0.64)
+    assert tracker.alpha(1) == pytest.approx(0.54)
+    assert tracker.alpha(2) == pytest.approx(0.54)  # unseen: borrows the deepest observed
+    assert tracker.expected_tokens(3) == pytest.approx(1 + 0.64 + 0.64 * 0.54 + 0.64 * 0.54**2)
+    tracker.update(num_drafted=2, num_accepted=2)  # both accepted, no rejection observed
+    assert tracker.alpha(0) == pytest.approx(0.676)
+    assert tracker.alpha(1) == pytest.approx(0.586)
+    tracker.update(num_drafted=0, num_accepted=0)  # empty draft: nothing observed
+    assert tracker.alpha(0) == pytest.approx(0.676)
+    with pytest.raises(ValueError):
+        tracker.update(num_drafted=1, num_accepted=2)
+
+
+def test_unseen_position_starts_from_borrowed_value() -> None:
+    tracker = AcceptanceTracker(prior=0.6, decay=0.5)
+    tracker.update(1, 0)  # α_0: 0.6 -> 0.3
+    tracker.update(2, 2)  # α_0: 0.3 -> 0.65; α_1 starts from 0.3 (borrowed) -> 0.65
+    assert tracker.alpha(0) == pytest.approx(0.65)
+    assert tracker.alpha(1) == pytest.approx(0.65)
+
+
+# ---------------------------------------------------------------------------- choose_k
+
+
+def test_choose_k_zero_when_drafting_expensive_and_useless() -> None:
+    cost = CostModel((0.1, 0.11, 0.12, 0.13), draft_step_seconds=0.03, draft_overhead_seconds=0.01)
+    assert choose_k(AcceptanceTracker(prior=0.0), cost, k_max=8) == 0
+
+
+def test_choose_k_tie_goes_to_smaller_k() -> None:
+    # Free drafting, flat target, zero acceptance: every k gives 10 tokens/s.
+    assert choose_k(AcceptanceTracker(prior=0.0), FLAT, k_max=8) == 0
+
+
+def test_choose_k_max_when_everything_accepted_and_cost_flat() -> None:
+    tracker = AcceptanceTracker(prior=0.999)
+    assert choose_k(tracker, FLAT, k_max=8) == 8
+    assert choose_k(tracker, FLAT, k_max=3) == 3
+    assert choose_k(tracker, FLAT, k_max=0) == 0
+
+
+def test_choose_k_follows_the_cost_curve() -> None:
+    # int8 target: 8 tokens cost about as much as 4, 16 about twice as much as 8.
+    # All accepted: 6 tokens / 72 ms beats 4 / 70 ms, and beyond 8 tokens the cost is ~linear.
+    assert choose_k(AcceptanceTracker(prior=1.0), INT8_TARGET, k_max=5) == 5
+    # α = 0.9: 5.7 tokens / 74 ms at k = 7 beats 8.1 tokens / 147 ms at k = 15.
+    assert choose_k(AcceptanceTracker(prior=0.9), INT8_TARGET, k_max=16) == 7
+    # Lower acceptance or a per-token draft cost shortens the draft.
+    assert choose_k(AcceptanceTracker(prior=0.5), INT8_TARGET, k_max=16) == 1
+    with_draft = CostModel(INT8_TARGET.target_seconds, draft_step_seconds=0.005)
+    assert choose_k(AcceptanceTracker(prior=0.8), with_draft, k_max=16) == 6
+    assert choose_k(AcceptanceTracker(prior=0.7), with_draft, k_max=16) == 1
+    assert choose_k(AcceptanceTracker(prior=0.5), CostModel(INT8_TARGET.target_seconds, 0.01), k_max=16) == 0
+
+
+# ---------------------------------------------------------------------------- AdaptiveK
+
+
+def _simulate(
+    policy: AdaptiveK, cost: CostModel, accept_prob: float, steps: int, k_max: int, seed: int = 0
+) -> tuple[list[int], float, int]:
+    """Run `steps` modelled steps: each draft position is accepted with prob accept_prob."""
+    rng = random.Random(seed)
+    ks: list[int] = []
+    seconds, tokens = 0.0, 0
+    for _ in range(steps):
+        k = policy.next_k(k_max)
+        accepted = 0
+        while accepted < k and rng.random() < accept_prob:
+            accepted += 1
+        policy.observe(k, accepted)
+        ks.append(k)
+        seconds += cost.step_seconds(k)
+        tokens += accepted + 1
+    return ks, seconds, tokens
+
+
+@pytest.mark.parametrize(
+    "cost",
+    [
+        # Draft model: each drafted token costs 20% of a target forward.
+        CostModel((0.1, 0.105, 0.11, 0.115, 0.12, 0.125, 0.13, 0.135, 0.14), draft_step_seconds=0.02),
+        # N-gram: drafting is free, the target's multi-token forward is almost flat.
+        CostModel((0.1, 0.105, 0.11, 0.115, 0.12, 0.125, 0.13, 0.135, 0.14)),
+        INT8_TARGET,
+    ],
+    ids=["draft_model", "ngram_flat", "ngram_int8"],
+)
+def test_useless_drafter_falls_back_to_plain(cost: CostModel) -> None:
+    policy = AdaptiveK(cost)
+    ks, seconds, tokens = _simulate(policy, cost, accept_prob=0.0, steps=500, k_max=8)
+    frac_drafting = sum(k > 0 for k in ks) / len(ks)
+    assert frac_drafting < 0.10, frac_drafting
+    plain_rate = 1.0 / cost.step_seconds(0)
+    assert tokens / seconds >= 0.9 * plain_rate
+    assert ks[-50:].count(0) >= 49  # settled at plain decoding (at most a rare probe)
+
+
+def test_probes_back_off_and_recover_when_drafter_becomes_useful() -> None:
+    cost = CostModel((0.1, 0.105, 0.11, 0.115, 0.12, 0.125, 0.13, 0.135, 0.14))
+    policy = AdaptiveK(cost, probe_interval=16, max_probe_interval=64)
+    ks, _, _ = _simulate(policy, cost, accept_prob=0.0, steps=300, k_max=8)
+    settled = ks.index(0)
+    probes = [i for i in range(settled, len(ks)) if ks[i] > 0]
+    assert all(ks[i] == 1 for i in probes)  # a probe drafts exactly one token
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps[:3] == [33, 65, 65]  # 16 zeros, probe, 32 zeros, probe, then capped at 64
+    assert all(g == 65 for g in gaps[1:])
+    # The text turns repetitive: the drafter is now always right. Drafting resumes within
+    # the current probe interval and climbs to k_max.
+    ks2, _, _ = _simulate(policy, cost, accept_prob=1.0, steps=65 + 40, k_max=8)
+    assert any(k > 0 for k in ks2[:65])
+    assert ks2[-10:] == [8] * 10
+
+
+@pytest.mark.parametrize("cost", [FLAT, INT8_TARGET], ids=["flat", "int8"])
+def test_perfect_drafter_converges_to_k_max(cost: CostModel) -> None:
+    policy = AdaptiveK(cost)
+    ks, _, tokens = _simulate(policy, cost, accept_prob=1.0, steps=100, k_max=7)
+    assert ks[-20:] == [7] * 20
+    assert tokens >= 0.9 * 8 * 100
+
+
+def test_k_max_allowed_is_respected() -> None:
+    policy = AdaptiveK(FLAT, prior=1.0)
+    assert policy.next_k(8) == 8
+    assert policy.next_k(3) == 3
+    assert policy.next_k(0) == 0
+    assert policy.next_k(-2) == 0
+
+
+def test_fixed_mode() -> None:
+    policy = AdaptiveK(fixed_k=4)
+    assert [policy.next_k(m) for m in (8, 4, 2, 0)] == [4, 4, 2, 0]
+    for _ in range(50):  # a useless drafter does not change a user's fixed k
+        policy.observe(4, 0)
+    assert policy.next_k(8) == 4
+    assert AdaptiveK(FLAT, fixed_k=0).next_k(8) == 0
+
+
+def test_adaptive_needs_cost_or_fixed_k() -> None:
+    with pytest.raises(ValueError):
+        AdaptiveK()
+    with pytest.raises(ValueError):
+        AdaptiveK(fixed_k=-1)

@@ -1,0 +1,187 @@
+"""Statistical losslessness of chain speculative sampling (DESIGN.md section 4).
+
+Two small Markov-chain "models" over a 5-token vocabulary: next-token logits are a fixed [V, V]
+matrix row picked by the last token. We simulate the whole speculative loop (draft proposes k tokens
+autoregressively from its own processed probs, target probs per block position through
+`logits_to_probs` with penalties seeing the draft tokens before it, `verify_chain` picks the output,
+repeat across step boundaries) and compare the joint distribution of the first 3 emitted tokens with
+the exact one of the target chain under the same processing, by a chi-square test.
+
+Runs are advanced in lockstep so the draft and target computations are batched torch ops; only
+`verify_chain` is called per run, which is the function under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from specdecode.sampling import (
+    SamplingParams,
+    block_output_counts,
+    draw_uniforms,
+    logits_to_probs,
+    sample_from_probs,
+)
+from specdecode.verify import rejection
+from specdecode.verify.rejection import verify_chain
+
+VOCAB = 5
+PROMPT_TOKEN = 0
+NUM_EMITTED = 3  # length of the joint distribution we test
+NUM_RUNS = 20_000
+P_THRESHOLD = 1e-3
+MIN_EXPECTED = 5.0  # chi-square cells with fewer expected counts are merged
+
+
+def _chain_logits(seed: int, scale: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(VOCAB, VOCAB, generator=gen) * scale  # [V, V]: row = last token
+
+
+TARGET_LOGITS = _chain_logits(seed=11, scale=1.5)
+DRAFT_LOGITS = _chain_logits(seed=22, scale=1.5)
+PROMPT_MASK = torch.nn.functional.one_hot(torch.tensor(PROMPT_TOKEN), VOCAB).bool()  # [V]
+
+CONFIGS = {
+    "temperature": SamplingParams(temperature=0.7),
+    "top_k": SamplingParams(top_k=3),
+    "top_p": SamplingParams(top_p=0.8),
+    "min_p": SamplingParams(min_p=0.2),
+    "repetition": SamplingParams(repetition_penalty=1.3),
+    "combined": SamplingParams(
+        temperature=0.8,
+        top_k=4,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+    ),
+}
+
+
+def exact_joint(params: SamplingParams) -> np.ndarray:
+    """Exact probability of each sequence of NUM_EMITTED tokens under the processed target chain."""
+    joint = np.zeros((VOCAB,) * NUM_EMITTED, dtype=np.float64)
+    for seq in itertools.product(range(VOCAB), repeat=NUM_EMITTED):
+        prob = 1.0
+        counts = torch.zeros(VOCAB, dtype=torch.long)
+        last = PROMPT_TOKEN
+        for token in seq:
+            probs = logits_to_probs(TARGET_LOGITS[last], params, counts, PROMPT_MASK)  # [V]
+            prob *= float(probs[token])
+            if prob == 0.0:
+                break
+            counts[token] += 1
+            last = token
+        joint[seq] = prob
+    return joint / joint.sum()  # float32 rows sum to 1 only up to rounding
+
+
+def simulate(params: SamplingParams, point_mass: bool, k: int, seed: int) -> tuple[np.ndarray, int, int]:
+    """Histogram of the first NUM_EMITTED tokens over NUM_RUNS speculative runs.
+
+    Returns (counts [V, V, V], accepted draft tokens, proposed draft tokens).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    # A point-mass draft proposes its greedy token under the same penalties; otherwise it samples
+    # from its own processed distribution, which it reports as draft_probs.
+    draft_params = dataclasses.replace(params, temperature=0.0) if point_mass else params
+    emitted: list[list[int]] = [[] for _ in range(NUM_RUNS)]
+    out_counts = torch.zeros(NUM_RUNS, VOCAB, dtype=torch.long)  # [R, V] output counts per run
+    last = torch.full((NUM_RUNS,), PROMPT_TOKEN, dtype=torch.long)  # [R]
+    active = torch.arange(NUM_RUNS)
+    accepted_total = proposed_total = 0
+    while active.numel():
+        batch = active.numel()
+        base_counts = out_counts[active]  # [B, V]
+        ctx = last[active]  # [B]
+
+        # Draft: k autoregressive proposals, each seeing the draft tokens before it.
+        draft_tokens = torch.empty(batch, k, dtype=torch.long)  # [B, k]
+        draft_probs = torch.empty(batch, k, VOCAB)  # [B, k, V]
+        counts, prev = base_counts.clone(), ctx
+        for i in range(k):
+            probs = logits_to_probs(DRAFT_LOGITS[prev], draft_params, counts, PROMPT_MASK)  # [B, V]
+            tokens = sample_from_probs(probs, draw_uniforms(batch, gen))  # [B]
+            draft_tokens[:, i], draft_probs[:, i] = tokens, probs
+            counts = counts + torch.nn.functional.one_hot(tokens, VOCAB)
+            prev = tokens
+
+        # Target: one "forward" over the block, position i conditioned on draft tokens < i.
+        block_ctx = torch.cat([ctx.unsqueeze(1), draft_tokens], dim=1)  # [B, k+1]
+        block_counts = block_output_counts(base_counts, draft_tokens)  # [B, k+1, V]
+        target_probs = logits_to_probs(
+            TARGET_LOGITS[block_ctx].reshape(-1, VOCAB), params, block_counts.reshape(-1, VOCAB), PROMPT_MASK
+        ).reshape(batch, k + 1, VOCAB)  # [B, k+1, V]
+
+        accept_uniforms = torch.rand(batch, k, generator=gen, dtype=torch.float64)  # [B, k]
+        sample_uniforms = torch.rand(batch, generator=gen, dtype=torch.float64).tolist()
+        step_out = torch.full((batch, k + 1), VOCAB, dtype=torch.long)  # [B, k+1], VOCAB = padding
+        for j, run in enumerate(active.tolist()):
+            tokens, num_accepted = verify_chain(
+                draft_tokens[j],
+                None if point_mass else draft_probs[j],
+                target_probs[j],
+                accept_uniforms[j],
+                sample_uniforms[j],
+            )
+            step_out[j, : num_accepted + 1] = tokens
+            emitted[run].extend(tokens.tolist())
+            accepted_total += num_accepted
+            last[run] = int(tokens[-1])
+        proposed_total += batch * k
+        out_counts[active] += torch.nn.functional.one_hot(step_out, VOCAB + 1)[..., :VOCAB].sum(1)
+        active = active[[len(emitted[run]) < NUM_EMITTED for run in active.tolist()]]
+
+    hist = np.zeros((VOCAB,) * NUM_EMITTED, dtype=np.int64)
+    np.add.at(hist, tuple(np.array([seq[:NUM_EMITTED] for seq in emitted]).T), 1)
+    return hist, accepted_total, proposed_total
+
+
+def chi_square_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit; cells with small expected counts are merged into one."""
+    observed, probs = observed.ravel().astype(np.float64), probs.ravel()
+    # A sample in a cell of exactly zero probability is an outright failure, not a statistic.
+    assert observed[probs == 0].sum() == 0, "sampled a sequence the target chain cannot produce"
+    expected = probs * observed.sum()
+    big = expected >= MIN_EXPECTED
+    obs_cells, exp_cells = list(observed[big]), list(expected[big])
+    small_obs, small_exp = observed[~big].sum(), expected[~big].sum()
+    if small_exp >= MIN_EXPECTED:
+        obs_cells.append(small_obs)
+        exp_cells.append(small_exp)
+    elif small_exp > 0:
+        # Too little mass for a cell of its own: fold it into the smallest big cell.
+        smallest = int(np.argmin(exp_cells))
+        obs_cells[smallest] += small_obs
+        exp_cells[smallest] += small_exp
+    return float(scipy.stats.chisquare(obs_cells, exp_cells).pvalue)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("point_mass", [True, False], ids=["point_mass", "stochastic"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_chain_is_lossless(config: str, point_mass: bool, k: int) -> None:
+    params = CONFIGS[config]
+    hist, accepted, proposed = simulate(params, point_mass, k, seed=1000 + 10 * k + point_mass)
+    # The run must exercise accepted, recovered and bonus paths, or the test proves little.
+    assert 0 < accepted < proposed
+    pvalue = chi_square_pvalue(hist, exact_joint(params))
+    assert pvalue > P_THRESHOLD, f"{config}, point_mass={point_mass}, k={k}: p={pvalue:.3g}"
+
+
+def test_negative_control_recovering_from_target_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling the recovered token from target_probs instead of the residual must be detected."""
+    monkeypatch.setattr(rejection, "_recovered_distribution", lambda target_row, draft_row, token: target_row)
+    params = CONFIGS["temperature"]
+    hist, accepted, proposed = simulate(params, point_mass=False, k=3, seed=7)
+    assert 0 < accepted < proposed
+    pvalue = chi_square_pvalue(hist, exact_joint(params))
+    assert pvalue < P_THRESHOLD, f"negative control passed the test: p={pvalue:.3g}"
