@@ -85,13 +85,14 @@ def _generate(args: argparse.Namespace) -> int:
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])
-    last = None
-    for delta, last in llm.stream(prompt, params):
+    seq = None
+    for delta, current in llm.stream(prompt, params):
+        seq = current
         if not args.json:
             sys.stdout.write(delta)
             sys.stdout.flush()
-    assert last is not None
-    out = last.to_output()
+    assert seq is not None
+    out = seq.to_output()
     m = out.metrics
     if args.json:
         stats_keys = ["prompt_tokens", "output_tokens", "seconds", "tokens_per_second", "prefill_seconds",
