@@ -213,15 +213,13 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor | float) -> to
     is never returned: searchsorted(right=True) skips flat CDF steps, and the result is clamped to the
     last token with positive mass in case u * total rounds up to total.
     """
-    vocab = probs.shape[-1]
-    batch_shape = probs.shape[:-1]
     # float64 CDF: a float32 cumsum over ~150k ids drifts enough to bias the tail.
-    cdf = probs.reshape(-1, vocab).to(torch.float64).cumsum(-1)  # [M, V]
-    total = cdf[:, -1:]  # [M, 1]
-    u = torch.as_tensor(uniforms, dtype=torch.float64, device=cdf.device).reshape(-1, 1)  # [M, 1]
-    ids = torch.searchsorted(cdf, u * total, right=True)  # [M, 1]: number of CDF entries <= u*total
-    last_positive = (cdf < total).sum(-1, keepdim=True)  # [M, 1]: first id where the CDF reaches total
-    return torch.minimum(ids, last_positive).reshape(batch_shape)
+    cdf = probs.to(torch.float64).cumsum(-1)  # [..., V]
+    total = cdf[..., -1:].contiguous()  # [..., 1]
+    u = torch.as_tensor(uniforms, dtype=torch.float64, device=cdf.device).unsqueeze(-1)  # [..., 1]
+    ids = torch.searchsorted(cdf, u * total, right=True)  # [..., 1]: number of CDF entries <= u*total
+    last_positive = torch.searchsorted(cdf, total)  # [..., 1]: first id where the CDF reaches total
+    return torch.minimum(ids, last_positive).squeeze(-1)
 
 
 def draw_uniforms(n: int, generator: torch.Generator | None = None) -> torch.Tensor:

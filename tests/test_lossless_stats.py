@@ -123,21 +123,28 @@ def simulate(params: SamplingParams, point_mass: bool, k: int, seed: int) -> tup
 
         accept_uniforms = torch.rand(batch, k, generator=gen, dtype=torch.float64)  # [B, k]
         sample_uniforms = torch.rand(batch, generator=gen, dtype=torch.float64).tolist()
-        step_out = torch.full((batch, k + 1), VOCAB, dtype=torch.long)  # [B, k+1], VOCAB = padding
-        for j, run in enumerate(active.tolist()):
-            tokens, num_accepted = verify_chain(
-                draft_tokens[j],
-                None if point_mass else draft_probs[j],
-                target_probs[j],
-                accept_uniforms[j],
-                sample_uniforms[j],
-            )
-            step_out[j, : num_accepted + 1] = tokens
-            emitted[run].extend(tokens.tolist())
+        # Unbind once: per-run tensor indexing would dominate the loop.
+        per_run = zip(
+            active.tolist(),
+            draft_tokens.unbind(0),
+            [None] * batch if point_mass else draft_probs.unbind(0),
+            target_probs.unbind(0),
+            accept_uniforms.unbind(0),
+            sample_uniforms,
+            strict=True,
+        )
+        step_out = []
+        for run, tokens_j, draft_probs_j, target_probs_j, accept_j, sample_j in per_run:
+            tokens, num_accepted = verify_chain(tokens_j, draft_probs_j, target_probs_j, accept_j, sample_j)
+            out = tokens.tolist()
+            assert len(out) == num_accepted + 1
+            emitted[run].extend(out)
+            step_out.append(out + [VOCAB] * (k - num_accepted))  # VOCAB = padding id
             accepted_total += num_accepted
-            last[run] = int(tokens[-1])
         proposed_total += batch * k
-        out_counts[active] += torch.nn.functional.one_hot(step_out, VOCAB + 1)[..., :VOCAB].sum(1)
+        step_tokens = torch.tensor(step_out)  # [B, k+1]
+        out_counts[active] += torch.nn.functional.one_hot(step_tokens, VOCAB + 1)[..., :VOCAB].sum(1)
+        last[active] = torch.tensor([emitted[run][-1] for run in active.tolist()])
         active = active[[len(emitted[run]) < NUM_EMITTED for run in active.tolist()]]
 
     hist = np.zeros((VOCAB,) * NUM_EMITTED, dtype=np.int64)

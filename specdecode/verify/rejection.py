@@ -62,18 +62,21 @@ def verify_chain(
     if draft_probs is not None and draft_probs.shape[0] != k:
         raise ValueError(f"draft_probs needs k={k} rows, got {draft_probs.shape[0]}")
 
+    draft_tokens = draft_tokens.to(target_probs.device)  # no-op when already there
     num_accepted = 0
     if k:
         positions = torch.arange(k, device=target_probs.device)
-        draft_tokens = draft_tokens.to(target_probs.device)
         target_at = target_probs[positions, draft_tokens]  # [k]
         u = accept_uniforms.to(device=target_probs.device, dtype=torch.float64)  # [k]
         if draft_probs is None:
             accepted = u < target_at  # point mass: q(x) = 1
         else:
             accepted = u * draft_probs[positions, draft_tokens] < target_at  # [k]
-        # Tests are independent given the uniforms, so "stop at the first rejection" is a prefix product.
-        num_accepted = int(accepted.long().cumprod(0).sum())
+        # The tests are independent given the uniforms; stop at the first rejection (k is small).
+        for ok in accepted.tolist():
+            if not ok:
+                break
+            num_accepted += 1
 
     if num_accepted == k:
         dist = target_probs[k]  # bonus token (or the only token of an empty draft)
@@ -84,7 +87,7 @@ def verify_chain(
             draft_tokens[num_accepted],
         )
     token = sample_from_probs(dist, sample_uniform)  # 0-d
-    output = torch.cat([draft_tokens[:num_accepted].long(), token.reshape(1).to(draft_tokens.device)])
+    output = torch.cat([draft_tokens[:num_accepted].long(), token.reshape(1)])  # [a+1]
     return output, num_accepted
 
 

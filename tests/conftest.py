@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny random Llama/Qwen2 checkpoints in Hugging Face format, and real-model helpers.
+
+The tiny models have peaked logits (large init) so that fp32 greedy decoding has no near-ties
+that could flip between a k-token and a 1-token forward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "for i in range(10):\n    print(i * i)\n",
+    "Speculative decoding drafts tokens and verifies them in one pass.",
+    "import numpy as np\nx = np.zeros(3)\n",
+]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _save_tokenizer(path: Path, vocab_size: int) -> int:
+    """Train a byte-level BPE on a fixed corpus (deterministic) and save it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_VOCAB_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return len(fast)
+
+
+def make_tiny_hf_dir(path: Path, arch: str = "llama", seed: int = 0, tie: bool = False) -> Path:
+    """A random tiny model + tokenizer, saved like a Hugging Face checkpoint directory."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = _save_tokenizer(path, 320)
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+        initializer_range=0.25, eos_token_id=2, bos_token_id=0, pad_token_id=0,
+    )
+    cfg = LlamaConfig(rope_theta=10000.0, **common) if arch == "llama" else Qwen2Config(rope_theta=100000.0, **common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if arch == "qwen2":  # HF initialises biases to zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(str(path), safe_serialization=True)
+    cfg_json = json.loads((path / "config.json").read_text())
+    assert cfg_json["model_type"] == arch
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same tokenizer, different random weights: a useless drafter for tiny_llama_dir."""
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny_llama_other"), "llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny_qwen"), "qwen2", seed=2)
+
+
+@pytest.fixture(autouse=True)
+def _two_threads() -> None:
+    torch.set_num_threads(2)
