@@ -13,7 +13,15 @@ from specdecode.engine.decoder import SpeculativeDecoder
 from specdecode.engine.sequence import RequestOutput, Sequence
 from specdecode.engine.validation import check_memory, check_vocab_compatible, estimate_bytes
 from specdecode.fetch import resolve_model
-from specdecode.model.load import LoadedModel, default_device, load_resolved, parse_dtype, read_config
+from specdecode.model.fast_linear import convert_linears, draft_linear_format, target_linear_format
+from specdecode.model.load import (
+    LoadedModel,
+    default_device,
+    load_resolved,
+    load_tokenizer,
+    parse_dtype,
+    read_config,
+)
 from specdecode.proposers.base import Proposer
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.ngram import NgramProposer
@@ -36,6 +44,8 @@ class LLM:
             {"method": "draft", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}.
         max_model_len: context to allocate KV cache for (default min(model's, 8192)).
         seed: default seed of requests that give none.
+        quantization: target weight format: "none" (exact, default), "int8" or "int4" (opt-in: changes
+            the model; speculative decoding stays lossless relative to the quantized target).
     """
 
     def __init__(
@@ -46,6 +56,7 @@ class LLM:
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
+        quantization: str = "none",
     ) -> None:
         self.spec = SpeculativeConfig.from_any(speculative_config)
         self.device = torch.device(device) if device is not None else default_device()
@@ -57,32 +68,31 @@ class LLM:
         target_cfg = read_config(target_path)
         self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, target_cfg.max_position_embeddings)
         draft_path = draft_cfg = None
-        draft_dtype = parse_dtype(self.spec.draft_dtype) if self.spec else self.dtype
+        spec = self.spec
+        draft_dtype = self.dtype if spec is None or spec.draft_dtype == "auto" else parse_dtype(spec.draft_dtype)
         parts = [("target", estimate_bytes(target_cfg, self.dtype, self.max_model_len))]
-        if self.spec is not None and self.spec.method == "draft":
-            draft_path = resolve_model(str(self.spec.model))
+        if spec is not None and spec.method == "draft":
+            draft_path = resolve_model(str(spec.model))
             draft_cfg = read_config(draft_path)
             parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len)))
         check_memory(parts, self.device)  # before any weight is loaded
 
         self.target: LoadedModel = load_resolved(target_path, model, self.dtype, self.device)
         self.tokenizer = self.target.tokenizer
+        convert_linears(self.target.model, target_linear_format(quantization, self.dtype, self.device))
+        self.draft: LoadedModel | None = None
         proposer: Proposer | None = None
-        if self.spec is not None and self.spec.method == "draft":
+        if spec is not None and spec.method == "draft":
             assert draft_path is not None
-            draft = load_resolved(draft_path, str(self.spec.model), draft_dtype, self.device)
-            check_vocab_compatible(model, self.tokenizer, str(self.spec.model), draft.tokenizer)
-            if draft.config.vocab_size != target_cfg.vocab_size:
-                check_vocab_compatible(model, self.tokenizer, str(self.spec.model), draft.tokenizer)
-            self.draft: LoadedModel | None = draft
-            proposer = DraftModelProposer(draft.model, self.max_model_len)
-        elif self.spec is not None:
-            self.draft = None
-            proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        else:
-            self.draft = None
-        k_max = self.spec.k_max if self.spec is not None else 0
-        fixed = None if (self.spec is None or self.spec.adaptive) else int(self.spec.num_speculative_tokens)
+            # Refuse an incompatible draft before paying for its weights.
+            check_vocab_compatible(model, self.tokenizer, str(spec.model), load_tokenizer(draft_path))
+            self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device)
+            convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
+            proposer = DraftModelProposer(self.draft.model, self.max_model_len)
+        elif spec is not None:
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        k_max = spec.k_max if spec is not None else 0
+        fixed = None if (spec is None or spec.adaptive) else int(spec.num_speculative_tokens)
         self.decoder = SpeculativeDecoder(self.target.model, self.max_model_len, proposer, k_max, fixed)
         if proposer is not None and fixed is None:
             self.decoder.measure_cost()

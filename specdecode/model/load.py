@@ -157,3 +157,13 @@ def load_resolved(path: Path, name: str, dtype: torch.dtype, device: torch.devic
     else:
         model, tok, cfg = _load_gguf(path, dtype, device)
     return LoadedModel(model=model, tokenizer=tok, config=cfg, path=path, name=name)
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer of a resolved model path, without loading or converting weights."""
+    if path.is_dir():
+        return Tokenizer.from_dir(path)
+    conv = _converted_dir(path)
+    if (conv / "tokenizer_config.json").exists():
+        return Tokenizer.from_dir(conv)
+    return Tokenizer.from_gguf(path)
