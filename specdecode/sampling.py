@@ -205,21 +205,25 @@ def block_output_counts(base_counts: torch.Tensor, block_tokens: torch.Tensor) -
     return base_counts.unsqueeze(-2) + steps.cumsum(-2)  # [..., k+1, V]
 
 
+# Largest uniform used: u * total then rounds strictly below total, so the search never runs past the
+# last token with positive mass (u * total may round up to total for u just below 1).
+_MAX_UNIFORM = 1.0 - 2.0**-52
+
+
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor | float) -> torch.Tensor:
     """Inverse-CDF sampling with the randomness passed in.
 
     probs: [..., V] non-negative, need not be normalised (each row must have positive mass);
     uniforms: [...] in [0, 1). Returns LongTensor [...] of token ids. A token with zero probability
-    is never returned: searchsorted(right=True) skips flat CDF steps, and the result is clamped to the
-    last token with positive mass in case u * total rounds up to total.
+    is never returned: searchsorted(right=True) steps over flat CDF segments, and u is clamped so that
+    u * total stays strictly below total.
     """
     # float64 CDF: a float32 cumsum over ~150k ids drifts enough to bias the tail.
     cdf = probs.to(torch.float64).cumsum(-1)  # [..., V]
-    total = cdf[..., -1:].contiguous()  # [..., 1]
-    u = torch.as_tensor(uniforms, dtype=torch.float64, device=cdf.device).unsqueeze(-1)  # [..., 1]
-    ids = torch.searchsorted(cdf, u * total, right=True)  # [..., 1]: number of CDF entries <= u*total
-    last_positive = torch.searchsorted(cdf, total)  # [..., 1]: first id where the CDF reaches total
-    return torch.minimum(ids, last_positive).squeeze(-1)
+    total = cdf[..., -1:]  # [..., 1]
+    u = torch.as_tensor(uniforms, dtype=torch.float64, device=cdf.device).clamp_max(_MAX_UNIFORM)  # [...]
+    # right=True: the number of CDF entries <= u * total, i.e. the first id whose CDF exceeds it.
+    return torch.searchsorted(cdf, u.unsqueeze(-1) * total, right=True).squeeze(-1)  # [...]
 
 
 def draw_uniforms(n: int, generator: torch.Generator | None = None) -> torch.Tensor:

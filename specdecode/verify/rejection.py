@@ -32,7 +32,7 @@ def _recovered_distribution(
         residual = target_row.index_fill(0, draft_token.reshape(1), 0.0)  # [V]
     else:
         residual = (target_row - draft_row).clamp_min(0.0)  # [V]
-    if not bool(residual.sum() > 0):
+    if residual.sum().item() <= 0.0:
         return target_row
     return residual
 
@@ -62,19 +62,15 @@ def verify_chain(
     if draft_probs is not None and draft_probs.shape[0] != k:
         raise ValueError(f"draft_probs needs k={k} rows, got {draft_probs.shape[0]}")
 
-    draft_tokens = draft_tokens.to(target_probs.device)  # no-op when already there
+    draft_tokens = draft_tokens.to(device=target_probs.device, dtype=torch.long)  # no-op if already
     num_accepted = 0
     if k:
-        positions = torch.arange(k, device=target_probs.device)
-        target_at = target_probs[positions, draft_tokens]  # [k]
-        u = accept_uniforms.to(device=target_probs.device, dtype=torch.float64)  # [k]
-        if draft_probs is None:
-            accepted = u < target_at  # point mass: q(x) = 1
-        else:
-            accepted = u * draft_probs[positions, draft_tokens] < target_at  # [k]
-        # The tests are independent given the uniforms; stop at the first rejection (k is small).
-        for ok in accepted.tolist():
-            if not ok:
+        index = draft_tokens.reshape(k, 1)
+        # Scalars in Python floats (float64, exact for float32 probs): the loop is over k <= ~16 positions.
+        target_at = target_probs[:k].gather(1, index).view(k).tolist()
+        draft_at = [1.0] * k if draft_probs is None else draft_probs.gather(1, index).view(k).tolist()
+        for u, draft_p, target_p in zip(accept_uniforms.tolist(), draft_at, target_at, strict=True):
+            if not u * draft_p < target_p:  # first rejection; target_p == 0 always lands here
                 break
             num_accepted += 1
 
@@ -86,9 +82,10 @@ def verify_chain(
             None if draft_probs is None else draft_probs[num_accepted],
             draft_tokens[num_accepted],
         )
-    token = sample_from_probs(dist, sample_uniform)  # 0-d
-    output = torch.cat([draft_tokens[:num_accepted].long(), token.reshape(1)])  # [a+1]
-    return output, num_accepted
+    token = sample_from_probs(dist, sample_uniform).reshape(1)  # [1]
+    if num_accepted == 0:
+        return token, 0
+    return torch.cat([draft_tokens[:num_accepted], token]), num_accepted  # [a+1]
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, int]:
