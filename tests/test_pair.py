@@ -52,5 +52,6 @@ def test_draft_k4_acceptance_floor(plain_outputs: list[list[int]]) -> None:
     # bf16: a k-token forward may round differently from 1-token forwards, so near-ties can flip;
     # the outputs must still agree for most of their length.
     for o, ref in zip(outs, plain_outputs, strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(o.token_ids, ref, strict=False)) if a != b), min(len(o.token_ids), len(ref)))
+        pairs = enumerate(zip(o.token_ids, ref, strict=False))
+        same = next((i for i, (a, b) in pairs if a != b), min(len(o.token_ids), len(ref)))
         assert same >= 16, (same, o.text)

@@ -1,10 +1,112 @@
-"""`specdecode bench ...` sub-command registration (the harness lives beside it)."""
+"""`specdecode bench ...`: Spec-Bench-style benchmark of our methods and of peer engines.
+
+Example::
+
+    specdecode bench --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
+        --methods plain,ngram,draft,draft-k4 --dataset spec_bench --per-task 5 --max-tokens 128 \\
+        --peers transformers,llama.cpp --out bench-out/spec_bench
+"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from specdecode.bench.datasets import DATASETS
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="benchmarks (see benchmarks/ and BENCHMARKS.md)")
-    b.set_defaults(func=lambda args: (print("bench: not implemented yet"), 1)[1])
+    b = sub.add_parser(
+        "bench", help="benchmark methods (and peer engines) on an evaluation set",
+        description="Spec-Bench protocol: batch 1, greedy by default, one warm-up per method excluded, prefill "
+                    "included in each prompt's time; speedup = ratio of mean tokens/s vs plain in the same run.",
+    )
+    b.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="target: alias, .gguf file or HF directory (default: %(default)s)")
+    b.add_argument("--methods", type=_csv, default=["plain", "ngram", "draft"],
+                   help="comma list of plain, ngram, draft (adaptive k), ngram-kN, draft-kN (fixed k=N) "
+                        "(default: plain,ngram,draft)")
+    b.add_argument("--draft", default=None, help="draft model for draft methods and transformers' assisted "
+                                                 "generation (alias, .gguf or HF directory)")
+    b.add_argument("--dataset", default="spec_bench",
+                   help=f"one of {', '.join(DATASETS)}, or a path to a .jsonl file (default: %(default)s)")
+    b.add_argument("--tasks", type=_csv, default=None, help="comma list of tasks (or categories) to keep")
+    b.add_argument("--per-task", type=int, default=None, help="first N prompts of each task")
+    b.add_argument("--limit", type=int, default=None, help="first N prompts overall (after --per-task)")
+    b.add_argument("--max-tokens", type=int, default=128, help="max new tokens per prompt (default: %(default)s)")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="target precision")
+    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    b.add_argument("--max-model-len", type=int, default=None, help="context to allocate (default 8192)")
+    b.add_argument("--peers", type=_csv, default=[],
+                   help="comma list of peer engines: transformers, llama.cpp (each skipped with a note if its "
+                        "package is missing)")
+    b.add_argument("--bandwidth-gb", type=float, default=1.0,
+                   help="size of the memory-bandwidth probe for the memory floor; 0 skips it (default: %(default)s)")
+    b.add_argument("--no-warmup", action="store_true", help="do not run the warm-up generation per method")
+    b.add_argument("--no-plots", action="store_true")
+    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--out", type=Path, required=True, help="output directory")
+    b.set_defaults(func=run_bench_command)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from specdecode.bench.harness import BenchConfig, run_bench
+
+    for name in ("per_task", "limit", "max_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    cfg = BenchConfig(
+        model=args.model, methods=args.methods, out=args.out, draft=args.draft, dataset=args.dataset,
+        tasks=args.tasks, per_task=args.per_task, limit=args.limit, max_tokens=args.max_tokens,
+        temperature=args.temperature, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        peers=args.peers, seed=args.seed, warmup=not args.no_warmup, bandwidth_gb=args.bandwidth_gb,
+        plots=not args.no_plots, progress=not args.no_progress,
+    )
+    summary = run_bench(cfg, _command_line(args))
+    print(_short_table(summary))
+    print(f"wrote {args.out}/summary.md, summary.json, records.jsonl and plots", file=sys.stderr)
+    return 0
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command as typed when run from a shell; otherwise rebuilt from the parsed arguments."""
+    if sys.argv[1:2] == ["bench"]:
+        return "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    parts = ["specdecode", "bench", "--model", args.model, "--methods", ",".join(args.methods)]
+    optional = {"--draft": args.draft, "--dataset": args.dataset,
+                "--tasks": ",".join(args.tasks) if args.tasks else None, "--per-task": args.per_task,
+                "--limit": args.limit, "--max-tokens": args.max_tokens, "--temperature": args.temperature,
+                "--seed": args.seed, "--dtype": args.dtype, "--device": args.device,
+                "--max-model-len": args.max_model_len, "--peers": ",".join(args.peers) if args.peers else None,
+                "--bandwidth-gb": args.bandwidth_gb}
+    for flag, value in optional.items():
+        if value is not None:
+            parts += [flag, str(value)]
+    for flag in ("no_warmup", "no_plots", "no_progress"):
+        if getattr(args, flag):
+            parts.append("--" + flag.replace("_", "-"))
+    parts += ["--out", str(args.out)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _short_table(summary: dict) -> str:
+    lines = [f"{'method':<24} {'tok/s':>8} {'speedup':>8} {'tau':>6} {'accept':>7} {'identical':>9}"]
+    for method in summary["methods"]:
+        s = summary["by_method"][method]["overall"]
+
+        def f(v: float | None, fmt: str) -> str:
+            return format(v, fmt) if v is not None else "-"
+
+        lines.append(f"{method:<24} {f(s['tokens_per_second'], '8.2f')} {f(s['speedup'], '8.2f')} "
+                     f"{f(s['mean_accepted_length'], '6.2f')} {f(s['acceptance_rate'], '7.0%')} "
+                     f"{f(s['identical_rate'], '9.0%')}")
+    return "\n".join(lines)

@@ -64,6 +64,7 @@ class SpeculativeDecoder:
     def prefill(self, seq: Sequence) -> None:
         """Process the prompt, emit the first token, start the proposer."""
         t0 = time.perf_counter()
+        seq.start_time = t0  # timing starts here, not when generate() validated the whole batch
         self.cache.reset()
         logits = self._forward(seq.token_ids, 0)[-1:]  # [1, V]
         self.cache.set_length(0, seq.prompt_len)

@@ -11,7 +11,12 @@ import torch
 from specdecode.config import SpeculativeConfig
 from specdecode.engine.decoder import SpeculativeDecoder
 from specdecode.engine.sequence import RequestOutput, Sequence
-from specdecode.engine.validation import check_memory, check_vocab_compatible, estimate_bytes
+from specdecode.engine.validation import (
+    IncompatibleDraftError,
+    check_memory,
+    check_vocab_compatible,
+    estimate_bytes,
+)
 from specdecode.fetch import resolve_model
 from specdecode.model.fast_linear import convert_linears, draft_linear_format, target_linear_format
 from specdecode.model.load import (
@@ -86,6 +91,14 @@ class LLM:
             assert draft_path is not None
             # Refuse an incompatible draft before paying for its weights.
             check_vocab_compatible(model, self.tokenizer, str(spec.model), load_tokenizer(draft_path))
+            assert draft_cfg is not None
+            if draft_cfg.vocab_size != target_cfg.vocab_size:
+                # Same tokenizer, differently padded embeddings: draft and target distributions would not
+                # line up, and a draft id beyond the target's rows would crash the verify pass.
+                raise IncompatibleDraftError(
+                    f"draft {spec.model!r} has {draft_cfg.vocab_size} output rows but target {model!r} has "
+                    f"{target_cfg.vocab_size}; the draft's vocabulary size must equal the target's"
+                )
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device)
             convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
             proposer = DraftModelProposer(self.draft.model, self.max_model_len)
@@ -132,7 +145,9 @@ class LLM:
         self, messages: Messages | list[Messages], sampling_params: SamplingParams | None = None
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("messages is empty")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         return self.generate([self.chat_prompt_ids(m) for m in conversations], sampling_params)  # type: ignore[arg-type]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[tuple[str, Sequence]]:

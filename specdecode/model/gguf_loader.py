@@ -6,6 +6,8 @@ permutation that llama.cpp's converter applies to Llama-architecture checkpoints
 
 from __future__ import annotations
 
+import mmap
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -38,30 +40,121 @@ def metadata(reader: GGUFReader) -> dict[str, object]:
     return out
 
 
+# struct formats of GGUF's scalar value types (GGUFValueType numbering).
+_SCALAR_FMT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_gguf_header(path: Path) -> tuple[dict[str, object], dict[str, tuple[int, ...]]]:
+    """(metadata, tensor shapes in ggml order) straight from the file's header, no tensor data.
+
+    GGUFReader builds a numpy view per vocabulary string, which takes seconds for a 150k-token
+    vocab; reading a config needs only the scalars, so arrays longer than 64 are skipped here.
+    """
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _parse_header(buf)
+    except (ValueError, struct.error, IndexError, OverflowError, UnicodeDecodeError, OSError) as exc:
+        raise CorruptModelError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def _parse_header(buf: mmap.mmap) -> tuple[dict[str, object], dict[str, tuple[int, ...]]]:
+    if buf[:4] != b"GGUF":
+        raise ValueError("GGUF magic invalid")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    e = ">" if version & 0xFFFF == 0 else "<"  # a file written for the other byte order
+    n_tensors, n_kv = struct.unpack_from(e + "QQ", buf, 8)
+    off = 24
+    size = len(buf)
+
+    def string(off: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from(e + "Q", buf, off)
+        if off + 8 + n > size:
+            raise ValueError("string runs past the end of the file")
+        return buf[off + 8 : off + 8 + n].decode("utf-8"), off + 8 + n
+
+    def value(vtype: int, off: int) -> tuple[object, int]:
+        if vtype == _STRING:
+            return string(off)
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from(e + "IQ", buf, off)
+            off += 12
+            if etype in _SCALAR_FMT and count > 64:  # skip without reading
+                off += struct.calcsize(_SCALAR_FMT[etype]) * count
+                if off > size:
+                    raise ValueError("array runs past the end of the file")
+                return None, off
+            if etype == _STRING and count > 64:  # e.g. the vocabulary: step over each string
+                for _ in range(count):
+                    off += 8 + struct.unpack_from(e + "Q", buf, off)[0]
+                if off > size:
+                    raise ValueError("array runs past the end of the file")
+                return None, off
+            items = []
+            for _ in range(count):
+                item, off = value(etype, off)
+                items.append(item)
+            return (items if count <= 64 else None), off
+        fmt = _SCALAR_FMT.get(vtype)
+        if fmt is None:
+            raise ValueError(f"unknown GGUF value type {vtype}")
+        return struct.unpack_from(e + fmt, buf, off)[0], off + struct.calcsize(fmt)
+
+    meta: dict[str, object] = {}
+    for _ in range(n_kv):
+        key, off = string(off)
+        (vtype,) = struct.unpack_from(e + "I", buf, off)
+        val, off = value(vtype, off + 4)
+        if val is not None:
+            meta[key] = val
+    shapes: dict[str, tuple[int, ...]] = {}
+    for _ in range(n_tensors):
+        name, off = string(off)
+        (n_dims,) = struct.unpack_from(e + "I", buf, off)
+        shapes[name] = struct.unpack_from(e + f"{n_dims}Q", buf, off + 4)
+        off += 4 + 8 * n_dims + 4 + 8  # dims, type, data offset
+    return meta, shapes
+
+
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
-    meta = metadata(reader)
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    return config_from_metadata(metadata(reader), shapes)
+
+
+def config_from_gguf_file(path: Path) -> ModelConfig:
+    """The config from the header alone: fast, reads no weights."""
+    return config_from_metadata(*read_gguf_header(path))
+
+
+def config_from_metadata(meta: dict[str, object], shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     arch = str(meta.get("general.architecture"))
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
-    names = {t.name for t in reader.tensors}
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    vocab = int(embd.shape[1])  # GGUF shapes are in ggml order: [cols, rows]
-    heads = int(meta[f"{arch}.attention.head_count"])
-    hidden = int(meta[f"{arch}.embedding_length"])
+    if "token_embd.weight" not in shapes:
+        raise CorruptModelError("the GGUF has no token_embd.weight tensor")
+
+    def req(key: str) -> object:
+        if f"{arch}.{key}" not in meta:
+            raise CorruptModelError(f"the GGUF lacks the metadata key {arch}.{key}")
+        return meta[f"{arch}.{key}"]
+
+    vocab = int(shapes["token_embd.weight"][1])  # GGUF shapes are in ggml order: [cols, rows]
+    heads = int(req("attention.head_count"))
+    hidden = int(req("embedding_length"))
     return ModelConfig(
         arch=arch,  # type: ignore[arg-type]
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-        num_layers=int(meta[f"{arch}.block_count"]),
+        intermediate_size=int(req("feed_forward_length")),
+        num_layers=int(req("block_count")),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in shapes,
+        attention_bias="blk.0.attn_q.bias" in shapes,
     )
 
 

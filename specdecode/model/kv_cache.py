@@ -40,7 +40,8 @@ class KVCache:
         """Store k/v [B, kvh, T, hd] at slots [B, T] of `layer`."""
         b, t = slots.shape
         start = slots[0, 0].item() if b == 1 else -1
-        if b == 1 and slots[0, -1].item() == start + t - 1:
+        # Every step must be +1: equal end points alone let e.g. [3, 5, 4] through.
+        if b == 1 and (t == 1 or bool((slots[0, 1:] - slots[0, :-1] == 1).all())):
             # Contiguous single-row write (the common chain case): a slice copy.
             self.k[layer, :, :, start : start + t] = k
             self.v[layer, :, :, start : start + t] = v

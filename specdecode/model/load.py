@@ -20,7 +20,13 @@ from safetensors.torch import save_file
 
 from specdecode.fetch import models_home, resolve_model
 from specdecode.model.config import ModelConfig
-from specdecode.model.gguf_loader import CorruptModelError, config_from_gguf, iter_state_dict, open_gguf
+from specdecode.model.gguf_loader import (
+    CorruptModelError,
+    config_from_gguf,
+    config_from_gguf_file,
+    iter_state_dict,
+    open_gguf,
+)
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 
@@ -145,7 +151,7 @@ def read_config(path: Path) -> ModelConfig:
     if conv.exists():
         return ModelConfig(**json.loads(conv.read_text()))
     try:
-        return config_from_gguf(open_gguf(path))
+        return config_from_gguf_file(path)  # the header only: no weights, no vocabulary
     except CorruptModelError:
         _forget_cached(path)
         raise
