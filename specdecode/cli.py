@@ -40,7 +40,10 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         cfg["method"] = args.method
     if args.num_speculative_tokens is not None:
         k = args.num_speculative_tokens
-        cfg["num_speculative_tokens"] = k if k == "auto" else int(k)
+        try:
+            cfg["num_speculative_tokens"] = k if k == "auto" else int(k)
+        except ValueError:
+            raise ValueError(f"--num-speculative-tokens must be an integer or 'auto', got {k!r}") from None
     return cfg or None
 
 

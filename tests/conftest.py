@@ -90,5 +90,6 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _two_threads() -> None:
-    torch.set_num_threads(2)
+def _one_thread() -> None:
+    # Unit tests use tiny tensors: one thread avoids OpenMP barrier stalls on a shared 2-core machine.
+    torch.set_num_threads(1)

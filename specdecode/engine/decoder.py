@@ -11,16 +11,10 @@ import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
 from specdecode.engine.sequence import Sequence
+from specdecode.engine.step_verify import sample_rows, verify_draft
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
-from specdecode.sampling import (
-    block_output_counts,
-    draw_uniforms,
-    logits_to_probs,
-    sample_from_probs,
-)
-from specdecode.verify import verify_chain, verify_greedy
 
 
 @dataclass
@@ -68,29 +62,12 @@ class SpeculativeDecoder:
         self.cache.reset()
         logits = self._forward(seq.token_ids, 0)[-1:]  # [1, V]
         self.cache.set_length(0, seq.prompt_len)
-        first = self._sample(seq, logits, [])[0]
+        first = sample_rows(seq, logits, [])[0]
         if self.proposer is not None:
             self.proposer.begin(seq.view())
         seq.prefill_seconds = time.perf_counter() - t0
         seq.stats.observe(0, 0, 1, 0.0, seq.prefill_seconds)
         seq.append(first)
-
-    def _sample(self, seq: Sequence, logits: torch.Tensor, draft: list[int]) -> list[int]:
-        """Processed target argmax/sample per row, for plain steps; logits [T, V]."""
-        params = seq.params
-        if params.greedy and not params.has_penalties:
-            return logits.argmax(-1).tolist()
-        probs = self._target_probs(seq, logits, draft)
-        if params.greedy:
-            return probs.argmax(-1).tolist()
-        return sample_from_probs(probs, draw_uniforms(probs.shape[0], seq.generator)).tolist()
-
-    def _target_probs(self, seq: Sequence, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
-        counts = None
-        if seq.output_counts is not None:
-            # Position i is conditioned on the draft tokens before it, as output.
-            counts = block_output_counts(seq.output_counts, torch.tensor(draft, dtype=torch.long))
-        return logits_to_probs(logits, seq.params, counts, seq.prompt_mask)  # [k+1, V]
 
     def step(self, seq: Sequence, k: int) -> StepResult:
         """Propose k tokens, verify them in one target forward, roll the cache back to what was kept."""
@@ -99,18 +76,10 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         n = len(seq.token_ids)  # the cache holds n-1 tokens; the last one is pending
         logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [k+1, V]
-        params = seq.params
-        draft_t = torch.tensor(draft.tokens, dtype=torch.long)
-        if params.greedy:
-            argmax = torch.tensor(self._sample(seq, logits, draft.tokens))
-            out, accepted = verify_greedy(draft_t, argmax)
-        else:
-            target_probs = self._target_probs(seq, logits, draft.tokens)
-            u = draw_uniforms(len(draft) + 1, seq.generator)
-            out, accepted = verify_chain(draft_t, draft.probs, target_probs.cpu(), u[:-1], float(u[-1]))
+        out, accepted = verify_draft(seq, logits, draft)
         # Kept: the pending token and the accepted drafts; the new token becomes pending.
         self.cache.set_length(0, n + accepted)
-        return StepResult(out.tolist(), len(draft), accepted, t1 - t0, time.perf_counter() - t1)
+        return StepResult(out, len(draft), accepted, t1 - t0, time.perf_counter() - t1)
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -162,9 +131,11 @@ class SpeculativeDecoder:
     def measure_cost(self, context: int = 128, repeats: int = 3) -> CostModel:
         """Time target forwards over t = 1..k_max+1 tokens and one draft step, at start-up."""
         ts = sorted({1, 2, 3, 4, 6, 8, self.k_max + 1} & set(range(1, self.k_max + 2)))
-        context = min(context, self.max_len - self.k_max - 2)
-        tokens = [1] * context
-        self._forward(tokens, 0)  # warm-up and a realistic cache
+        # A short max_len leaves less room: shrink the context, then drop the t that do not fit after it.
+        context = max(0, min(context, self.max_len - self.k_max - 2))
+        ts = [t for t in ts if context + t <= self.max_len] or [1]
+        if context:
+            self._forward([1] * context, 0)  # warm-up and a realistic cache
         points: dict[int, float] = {}
         for t in ts:
             samples = []

@@ -65,7 +65,8 @@ class ModelConfig:
                 f"unsupported architecture {model_type!r} ({cfg.get('architectures')}); "
                 f"supported: {', '.join(SUPPORTED_ARCHS)}"
             )
-        scaling = cfg.get("rope_scaling")
+        # transformers >= 5 writes the scaling into rope_parameters (rope_type "default" when none).
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise UnsupportedModelError(f"rope_scaling {scaling} is not supported")
         heads = cfg["num_attention_heads"]

@@ -130,6 +130,9 @@ def config_from_metadata(meta: dict[str, object], shapes: dict[str, tuple[int, .
     arch = str(meta.get("general.architecture"))
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModelError(f"rope scaling {scaling!r} ({arch}.rope.scaling.type) is not supported")
     if "token_embd.weight" not in shapes:
         raise CorruptModelError("the GGUF has no token_embd.weight tensor")
 

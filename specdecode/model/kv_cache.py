@@ -80,3 +80,20 @@ class KVCache:
             self.lengths = [0] * self.batch_size
         else:
             self.lengths[row] = 0
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A cache over rows [start, stop) sharing this one's storage (a batch of running sequences)."""
+        view = object.__new__(KVCache)
+        view.k = self.k[:, start:stop]
+        view.v = self.v[:, start:stop]
+        view.max_len = self.max_len
+        view.lengths = self.lengths[start:stop]  # a copy: the owner keeps the authoritative lengths
+        return view
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row src's valid entries into row dst (keeps running sequences in rows 0..n-1)."""
+        n = self.lengths[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0

@@ -22,7 +22,6 @@ from specdecode.fetch import models_home, resolve_model
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_loader import (
     CorruptModelError,
-    config_from_gguf,
     config_from_gguf_file,
     iter_state_dict,
     open_gguf,
@@ -87,8 +86,8 @@ def _converted_dir(gguf_path: Path) -> Path:
 
 def _convert_gguf(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> None:
     """Dequantize once and store config, weights and tokenizer under out_dir (atomically)."""
+    cfg = config_from_gguf_file(gguf_path)  # the header first: a damaged or unsupported file fails in ms
     reader = open_gguf(gguf_path)
-    cfg = config_from_gguf(reader)
     tensors = dict(iter_state_dict(reader, cfg, dtype))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))

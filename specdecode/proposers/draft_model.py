@@ -86,13 +86,14 @@ class DraftModelProposer:
         if self._cost == 0.0:
             self.cache.reset()
             self.num_cached = 0
-            self._feed([1] * 64)
+            room = self.cache.max_len  # a short context leaves less room for the warm-up and the samples
+            self._feed([1] * max(0, min(64, room - 6)))  # a realistic cache, if it fits
             samples = []
-            for _ in range(6):
+            for _ in range(max(1, min(6, room - self.num_cached))):
                 t0 = time.perf_counter()
                 self._feed([1])
                 samples.append(time.perf_counter() - t0)
-            self._cost = statistics.median(samples[1:])
+            self._cost = statistics.median(samples[1:] or samples)
             self.cache.reset()
             self.num_cached = 0
         return self._cost

@@ -1,0 +1,455 @@
+"""The benchmark run: methods × prompts, Spec-Bench protocol, records and summary.
+
+Protocol (Spec-Bench): greedy by default, batch 1, one warm-up generation per method that
+is not counted, each prompt's time includes its prefill, per-prompt tokens/s = output
+tokens / seconds, generation stops at EOS as a user's would (``ignore_eos`` off). Every
+method (ours and peers) gets the same prompt token ids (the target's chat template) and the
+same max tokens. One engine object is built per method, reused over all prompts and freed
+before the next is built.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import re
+import resource
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdecode.bench import stats
+from specdecode.bench.bandwidth import measure_bandwidth, memory_floor, weight_bytes_per_token
+from specdecode.bench.datasets import BenchPrompt, load_prompts
+from specdecode.bench.peers import PeerContext, make_peers
+
+_METHOD_RE = re.compile(r"^(plain|ngram|draft)(?:-k(\d+))?$")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    speculative_config: dict[str, Any] | None
+
+
+def parse_method(name: str, draft: str | None) -> MethodSpec:
+    """``plain``, ``ngram``, ``draft`` (adaptive k), ``ngram-kN`` / ``draft-kN`` (fixed k=N)."""
+    m = _METHOD_RE.match(name.strip())
+    if m is None or (m.group(1) == "plain" and m.group(2) is not None):
+        raise ValueError(f"unknown method {name!r}: use plain, ngram, draft, ngram-kN or draft-kN")
+    kind, k = m.group(1), m.group(2)
+    if kind == "plain":
+        return MethodSpec("plain", None)
+    cfg: dict[str, Any] = {"method": kind, "num_speculative_tokens": int(k) if k is not None else "auto"}
+    if kind == "draft":
+        if not draft:
+            raise ValueError(f"method {name!r} needs --draft MODEL")
+        cfg["model"] = draft
+    return MethodSpec(name.strip(), cfg)
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    methods: list[str]
+    out: Path
+    draft: str | None = None
+    dataset: str = "spec_bench"
+    tasks: list[str] | None = None
+    per_task: int | None = None
+    limit: int | None = None
+    max_tokens: int = 128
+    temperature: float = 0.0
+    dtype: str = "bf16"
+    device: str | None = None
+    max_model_len: int | None = None
+    peers: list[str] = field(default_factory=list)
+    seed: int = 0
+    warmup: bool = True
+    bandwidth_gb: float = 1.0
+    """Size of the bandwidth probe tensor; 0 skips the bandwidth measure and the memory floor."""
+    plots: bool = True
+    progress: bool = True
+
+
+# ---- memory --------------------------------------------------------------------------------------
+
+
+def current_rss() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:  # Linux fallback
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def process_peak_rss() -> int:
+    """Peak RSS of the whole process so far (ru_maxrss; KiB on Linux)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)
+
+
+class RssSampler:
+    """Peak RSS over a stretch of the run, sampled by a background thread (ru_maxrss never resets)."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.peak = current_rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, current_rss())
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, current_rss())
+
+
+# ---- machine -------------------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        repo = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5, check=False)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    import specdecode
+
+    info: dict[str, Any] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "specdecode": specdecode.__version__,
+        "git_commit": _git_commit(),
+    }
+    try:
+        import psutil
+
+        info["physical_cores"] = psutil.cpu_count(logical=False)
+        info["memory_bytes"] = psutil.virtual_memory().total
+    except ImportError:
+        pass
+    for mod in ("transformers", "llama_cpp"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: just not reported
+            info[mod] = None
+    return info
+
+
+# ---- one method ----------------------------------------------------------------------------------
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="bench", unit="prompt", disable=not enabled, dynamic_ncols=True)
+
+
+def _base_record(method: str, kind: str, prompt: BenchPrompt, ids: list[int], out_ids: list[int],
+                 seconds: float) -> dict[str, Any]:
+    n = len(out_ids)
+    return {
+        "method": method, "engine": kind, "task": prompt.task, "prompt_index": prompt.index,
+        "source_id": prompt.source_id, "prompt_tokens": len(ids), "output_tokens": n, "seconds": seconds,
+        "tokens_per_second": n / seconds if seconds > 0 else 0.0, "prefill_seconds": None, "steps": None,
+        "draft_tokens": None, "accepted_tokens": None, "mean_accepted_length": None, "acceptance_rate": None,
+        "accepted_by_position": None, "drafted_by_position": None, "draft_seconds": None, "verify_seconds": None,
+        "decode_tokens_per_second": None, "finish_reason": None, "token_ids": out_ids,
+    }
+
+
+def _generate_ours(llm: Any, ids: list[int], params: Any) -> tuple[Any, list[int] | None, list[int] | None]:
+    """One request through our engine: (RequestOutput, accepted_by_position, drafted_by_position).
+
+    Per-position *counts* are read from the sequence's stats (the public metrics hold the
+    per-position fractions only); if that internal path is missing, the counts are None.
+    """
+    metrics_counts = None
+    new_seq = getattr(llm, "_new_sequence", None)
+    decoder = getattr(llm, "decoder", None)
+    if new_seq is not None and decoder is not None:
+        seq = decoder.generate(new_seq(ids, params))
+        st = getattr(seq, "stats", None)
+        out = seq.to_output()
+        if st is not None and hasattr(st, "accepted_by_position"):
+            return out, list(st.accepted_by_position), list(st.drafted_by_position)
+    else:
+        out = llm.generate([ids], params)[0]
+    m = out.metrics
+    if "accepted_by_position" in m and "drafted_by_position" in m:
+        metrics_counts = (list(m["accepted_by_position"]), list(m["drafted_by_position"]))
+    return out, *(metrics_counts or (None, None))
+
+
+def _ours_record(method: str, prompt: BenchPrompt, ids: list[int], out: Any, seconds: float,
+                 accepted: list[int] | None, drafted: list[int] | None) -> dict[str, Any]:
+    rec = _base_record(method, "specdecode", prompt, ids, list(out.token_ids), seconds)
+    m = out.metrics
+    for key in ("prefill_seconds", "steps", "draft_tokens", "accepted_tokens", "mean_accepted_length",
+                "acceptance_rate", "draft_seconds", "verify_seconds"):
+        rec[key] = m.get(key)
+    rec["engine_seconds"] = m.get("seconds")
+    rec["accepted_by_position"], rec["drafted_by_position"] = accepted, drafted
+    rec["finish_reason"] = out.finish_reason
+    prefill = rec["prefill_seconds"]
+    decode_seconds = seconds - prefill if prefill is not None else 0.0
+    # Decode-only rate (the first token comes from the prefill): what the memory floor bounds.
+    rec["decode_tokens_per_second"] = (len(out.token_ids) - 1) / decode_seconds if decode_seconds > 0 else None
+    return rec
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+class BenchRun:
+    """State of one `specdecode bench` run; `run()` returns the summary dict."""
+
+    def __init__(self, cfg: BenchConfig, command: str = "") -> None:
+        self.cfg = cfg
+        self.command = command or " ".join(sys.argv)
+        self.specs = [parse_method(m, cfg.draft) for m in cfg.methods]
+        names = [s.name for s in self.specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate methods in {names}")
+        if not self.specs:
+            raise ValueError("no methods given")
+        self.records: list[dict[str, Any]] = []
+        self.resources: dict[str, dict[str, Any]] = {}
+        self.notes: list[str] = []
+        self.prompt_ids: list[list[int]] | None = None
+        self.eos_token_id: int | None = None
+        self.target_path: Path | None = None
+        self.weight_info: dict[str, Any] | None = None
+
+    # ---- ours ----
+
+    def _params(self) -> Any:
+        from specdecode import SamplingParams
+
+        return SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature, seed=self.cfg.seed)
+
+    def _run_ours(self, spec: MethodSpec, prompts: list[BenchPrompt], bar: Any) -> None:
+        from specdecode import LLM
+
+        cfg = self.cfg
+        bar.set_postfix_str(f"{spec.name}: loading")
+        rss_before = current_rss()
+        with RssSampler() as sampler:
+            llm, load_seconds = _timed(lambda: LLM(cfg.model, dtype=cfg.dtype, device=cfg.device,
+                                                   speculative_config=spec.speculative_config,
+                                                   max_model_len=cfg.max_model_len, seed=cfg.seed))
+            rss_loaded = current_rss()
+            if self.prompt_ids is None:  # the target's chat template, once, shared by every method
+                self.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in prompts]
+                self.eos_token_id = llm.tokenizer.eos_token_id
+                self.target_path = Path(llm.target.path)
+            if spec.name == "plain" or self.weight_info is None:
+                self.weight_info = {"method": spec.name, **weight_bytes_per_token(llm.target.model)}
+            params = self._params()
+            if cfg.warmup:
+                bar.set_postfix_str(f"{spec.name}: warm-up")
+                _generate_ours(llm, self.prompt_ids[0], params)
+            bar.set_postfix_str(spec.name)
+            for prompt, ids in zip(prompts, self.prompt_ids, strict=True):
+                (out, accepted, drafted), seconds = _timed(lambda ids=ids: _generate_ours(llm, ids, params))
+                self.records.append(_ours_record(spec.name, prompt, ids, out, seconds, accepted, drafted))
+                bar.update(1)
+            rss_after = current_rss()
+        self.resources[spec.name] = {
+            "engine": "specdecode", "speculative_config": spec.speculative_config, "load_seconds": load_seconds,
+            "rss_before_load_bytes": rss_before, "rss_after_load_bytes": rss_loaded,
+            "rss_after_run_bytes": rss_after, "peak_rss_bytes": sampler.peak,
+        }
+        llm = None  # free the engine before the next method's is built
+        gc.collect()
+
+    # ---- peers ----
+
+    def _peer_context(self, prompts: list[BenchPrompt]) -> PeerContext:
+        from specdecode.fetch import resolve_model
+        from specdecode.model.load import parse_dtype
+
+        cfg = self.cfg
+        assert self.prompt_ids is not None
+        draft = cfg.draft or next((s.speculative_config.get("model") for s in self.specs
+                                   if s.speculative_config and s.speculative_config.get("model")), None)
+        return PeerContext(
+            target_path=self.target_path or resolve_model(cfg.model),
+            draft_path=resolve_model(draft) if draft else None,
+            eos_token_id=self.eos_token_id, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+            dtype=parse_dtype(cfg.dtype), threads=torch.get_num_threads(), seed=cfg.seed,
+            max_prompt_tokens=max(len(i) for i in self.prompt_ids),
+        )
+
+    def _run_peer(self, peer: Any, prompts: list[BenchPrompt], bar: Any) -> None:
+        assert self.prompt_ids is not None
+        names = peer.method_names()
+        bar.set_postfix_str(f"{peer.name}: loading")
+        rss_before = current_rss()
+        done = 0
+        try:
+            with RssSampler() as sampler:
+                methods, load_seconds = _timed(peer.open)
+                rss_loaded = current_rss()
+                for method in methods:
+                    try:
+                        if method.prepare is not None:
+                            method.prepare()
+                        if self.cfg.warmup:
+                            bar.set_postfix_str(f"{method.name}: warm-up")
+                            method.generate(self.prompt_ids[0])
+                        bar.set_postfix_str(method.name)
+                        for prompt, ids in zip(prompts, self.prompt_ids, strict=True):
+                            out_ids, seconds = _timed(lambda ids=ids, g=method.generate: g(ids))
+                            self.records.append(_base_record(method.name, peer.name, prompt, ids, out_ids, seconds))
+                            bar.update(1)
+                            done += 1
+                    except Exception as exc:  # noqa: BLE001 - a peer's failure is a note, not our failure
+                        self.notes.append(f"{method.name}: failed ({type(exc).__name__}: {exc}); results partial")
+                    self.resources[method.name] = {
+                        "engine": peer.name, "settings": method.settings, "load_seconds": load_seconds,
+                        "rss_before_load_bytes": rss_before, "rss_after_load_bytes": rss_loaded,
+                        "rss_after_run_bytes": current_rss(), "peak_rss_bytes": None,
+                    }
+            for method in methods:
+                self.resources[method.name]["peak_rss_bytes"] = sampler.peak
+                if method.settings:
+                    self.notes.append(f"{method.name}: {method.settings}")
+        except Exception as exc:  # noqa: BLE001 - e.g. the model cannot be loaded by that engine
+            self.notes.append(f"{peer.name}: skipped ({type(exc).__name__}: {exc})")
+        finally:
+            peer.close()
+            gc.collect()
+            # Keep the bar's total honest when a peer stopped early.
+            bar.total = max(bar.n, bar.total - (len(names) * len(prompts) - done))
+            bar.refresh()
+
+    # ---- the run ----
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        prompts = load_prompts(cfg.dataset, cfg.tasks, cfg.per_task, cfg.limit)
+        machine = machine_info()
+        bandwidth = None
+        if cfg.bandwidth_gb > 0:
+            bandwidth = measure_bandwidth(cfg.bandwidth_gb)
+        # plain first: it is the baseline, and its target gives the prompt ids and weight bytes
+        specs = sorted(self.specs, key=lambda s: s.name != "plain")
+        if specs[0].name != "plain":
+            self.notes.append("no `plain` method in this run: speedups and identical-output rates are not computed")
+        peer_ctx_names = list(cfg.peers)
+        bar = _progress(len(specs) * len(prompts), cfg.progress)
+        try:
+            for spec in specs:
+                self._run_ours(spec, prompts, bar)
+            if peer_ctx_names:
+                ctx = self._peer_context(prompts)
+                peers, notes = make_peers(peer_ctx_names, ctx)
+                self.notes.extend(notes)
+                bar.total += sum(len(p.method_names()) for p in peers) * len(prompts)
+                bar.refresh()
+                for peer in peers:
+                    self._run_peer(peer, prompts, bar)
+        finally:
+            bar.close()
+        summary = self._summary(prompts, machine, bandwidth)
+        from specdecode.bench.report import write_outputs
+
+        write_outputs(cfg.out, self.records, summary, plots=cfg.plots)
+        return summary
+
+    def _summary(self, prompts: list[BenchPrompt], machine: dict[str, Any],
+                 bandwidth: dict[str, Any] | None) -> dict[str, Any]:
+        cfg = self.cfg
+        own = {}
+        methods_seen = {r["method"] for r in self.records}
+        for m in methods_seen:
+            for prefix in ("hf-", "llamacpp-"):
+                if m.startswith(prefix) and m != prefix + "plain" and prefix + "plain" in methods_seen:
+                    own[m] = prefix + "plain"
+        summary = stats.summarize(self.records, "plain", own)
+        for method, res in self.resources.items():
+            if method in summary["by_method"]:
+                summary["by_method"][method]["resources"] = res
+        floor = None
+        if bandwidth is not None and self.weight_info is not None and self.weight_info["bytes"]:
+            floor_tps = memory_floor(bandwidth["read_gb_per_s"], self.weight_info["bytes"])
+            plain_overall = summary["by_method"].get("plain", {}).get("overall", {})
+            plain = plain_overall.get("tokens_per_second")
+            plain_decode = plain_overall.get("decode_tokens_per_second")
+            floor = {
+                "weight_bytes_per_token": self.weight_info["bytes"],
+                "embedding_bytes_excluded": self.weight_info["embedding_bytes_excluded"],
+                "weight_bytes_by_module_type": self.weight_info["by_module_type"],
+                "bandwidth_gb_per_s": bandwidth["read_gb_per_s"],
+                "floor_tokens_per_second": floor_tps,
+                "plain_tokens_per_second": plain,
+                "plain_fraction_of_floor": plain / floor_tps if plain is not None and floor_tps else None,
+                "plain_decode_tokens_per_second": plain_decode,
+                "plain_decode_fraction_of_floor": plain_decode / floor_tps if plain_decode and floor_tps else None,
+            }
+        config = asdict(cfg)
+        config["out"] = str(cfg.out)
+        return {
+            "command": self.command,
+            "machine": machine,
+            "config": config,
+            "protocol": ("greedy" if cfg.temperature <= 0 else f"temperature {cfg.temperature}")
+            + ", batch 1, one warm-up generation per method excluded, prefill included in each prompt's time, "
+            "tokens/s = output tokens / seconds per prompt, speedup = ratio of means vs plain, stop at EOS",
+            "num_prompts": len(prompts),
+            "prompt_tokens_total": sum(len(i) for i in self.prompt_ids or []),
+            "bandwidth": bandwidth,
+            "memory_floor": floor,
+            "process_peak_rss_bytes": process_peak_rss(),
+            "notes": self.notes,
+            **summary,
+        }
+
+
+def run_bench(cfg: BenchConfig, command: str = "") -> dict[str, Any]:
+    """Run the benchmark and write records.jsonl, summary.json, summary.md and plots into cfg.out."""
+    return BenchRun(cfg, command).run()

@@ -1,0 +1,269 @@
+"""Other engines on the same prompts: Hugging Face transformers and llama.cpp (llama-cpp-python).
+
+Each peer is an object that lists its method names without loading anything, loads its
+models in ``open()``, and hands the harness one ``generate(prompt_ids) -> output_ids``
+callable per method; the harness times them exactly like our own methods (batch 1, one
+warm-up, prefill included, stop at EOS). A peer whose package is missing, or that cannot
+load the model, is skipped with a note, never a failure.
+
+Methods:
+
+- ``hf-plain``: ``model.generate`` greedy on the target's weights (a GGUF is dequantized by
+  transformers: ``from_pretrained(dir, gguf_file=name)``).
+- ``hf-assisted``: ``assistant_model=`` the draft loaded the same way, with transformers' own
+  default schedule (whatever the draft's ``generation_config`` holds; unset means the library
+  default, in transformers 5: 20 tokens, "constant", confidence threshold 0.4, which HF adapts
+  across calls and keeps).
+- ``hf-assisted-k4``: the same with ``num_assistant_tokens=4``, schedule ``"constant"``.
+- ``hf-prompt-lookup``: ``prompt_lookup_num_tokens=10`` (the value transformers' docs use;
+  the library has no default: ``None`` disables it), ``max_matching_ngram_size`` at its default.
+- ``llamacpp-plain``: ``Llama(model_path=GGUF)`` on the GGUF's native quantized weights.
+- ``llamacpp-prompt-lookup``: ``draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10)``.
+
+llama.cpp runs through ``Llama.generate`` (the token loop under ``create_completion``) so
+that the exact output token ids are known: they are counted and compared like ours.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PEERS: tuple[str, ...] = ("transformers", "llama.cpp")
+PEER_ALIASES = {"transformers": "transformers", "hf": "transformers", "llama.cpp": "llama.cpp",
+                "llamacpp": "llama.cpp", "llama_cpp": "llama.cpp"}
+
+GenerateFn = Callable[[list[int]], list[int]]
+
+
+@dataclass
+class PeerContext:
+    target_path: Path
+    """Resolved target: a .gguf file or a Hugging Face directory."""
+    draft_path: Path | None
+    """Resolved draft model for assisted generation, or None."""
+    eos_token_id: int | None
+    """The target tokenizer's EOS (the id our engine stops at)."""
+    max_tokens: int
+    temperature: float = 0.0
+    dtype: torch.dtype = torch.bfloat16
+    threads: int = 2
+    seed: int = 0
+    max_prompt_tokens: int = 0
+    """Longest prompt of the run (llama.cpp's context is sized to fit it)."""
+
+
+@dataclass
+class PeerMethod:
+    name: str
+    generate: GenerateFn
+    settings: dict[str, Any] = field(default_factory=dict)
+    prepare: Callable[[], None] | None = None
+    """Called once before the method's warm-up (sets per-method engine options)."""
+
+
+class Peer:
+    name = ""
+    package = ""
+
+    def __init__(self, ctx: PeerContext) -> None:
+        self.ctx = ctx
+        self.notes: list[str] = []
+
+    def available(self) -> str | None:
+        """None if the peer can run here; otherwise why not (a note)."""
+        if importlib.util.find_spec(self.package) is None:
+            return f"{self.name}: skipped, package {self.package!r} is not installed"
+        return None
+
+    def method_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def open(self) -> list[PeerMethod]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        gc.collect()
+
+
+def _hf_load(path: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    if path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return model.eval()
+
+
+class TransformersPeer(Peer):
+    name = "transformers"
+    package = "transformers"
+
+    def __init__(self, ctx: PeerContext) -> None:
+        super().__init__(ctx)
+        self.model: Any = None
+        self.assistant: Any = None
+
+    def method_names(self) -> list[str]:
+        names = ["hf-plain"]
+        if self.ctx.draft_path is not None:
+            names += ["hf-assisted", "hf-assisted-k4"]
+        names.append("hf-prompt-lookup")
+        return names
+
+    def _kwargs(self) -> dict[str, Any]:
+        ctx = self.ctx
+        kw: dict[str, Any] = {"max_new_tokens": ctx.max_tokens, "eos_token_id": ctx.eos_token_id,
+                              "pad_token_id": ctx.eos_token_id, "repetition_penalty": 1.0}
+        if ctx.temperature > 0:
+            kw.update(do_sample=True, temperature=ctx.temperature, top_k=0, top_p=1.0)
+        else:
+            kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        return kw
+
+    def _make(self, extra: Callable[[], dict[str, Any]]) -> GenerateFn:
+        def generate(ids: list[int]) -> list[int]:
+            input_ids = torch.tensor([ids], dtype=torch.long)
+            if self.ctx.temperature > 0:
+                torch.manual_seed(self.ctx.seed)
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), **self._kwargs(), **extra()
+                )
+            return out[0, len(ids):].tolist()
+
+        return generate
+
+    def open(self) -> list[PeerMethod]:
+        ctx = self.ctx
+        self.model = _hf_load(ctx.target_path, ctx.dtype)
+        methods = [PeerMethod("hf-plain", self._make(dict))]
+        if ctx.draft_path is not None:
+            self.assistant = _hf_load(ctx.draft_path, ctx.dtype)
+            gen_cfg = self.assistant.generation_config
+            keys = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+            default = {k: getattr(gen_cfg, k, None) for k in keys}
+            assisted = lambda: {"assistant_model": self.assistant}
+
+            def restore_default() -> None:  # once per method: what HF adapts across calls stays adapted
+                for k, v in default.items():
+                    setattr(self.assistant.generation_config, k, v)
+
+            def set_k4() -> None:
+                restore_default()
+                self.assistant.generation_config.num_assistant_tokens = 4
+                self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
+
+            shown = {k: ("library default" if v is None else v) for k, v in default.items()}
+            methods.append(PeerMethod("hf-assisted", self._make(assisted), shown, restore_default))
+            methods.append(PeerMethod("hf-assisted-k4", self._make(assisted), {
+                **shown, "num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant"}, set_k4))
+        methods.append(PeerMethod("hf-prompt-lookup", self._make(lambda: {"prompt_lookup_num_tokens": 10}),
+                                  {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": "library default"}))
+        return methods
+
+    def close(self) -> None:
+        self.model = self.assistant = None
+        super().close()
+
+
+class LlamaCppPeer(Peer):
+    name = "llama.cpp"
+    package = "llama_cpp"
+
+    def __init__(self, ctx: PeerContext) -> None:
+        super().__init__(ctx)
+        self.llms: list[Any] = []
+
+    def available(self) -> str | None:
+        why = super().available()
+        if why is None and (self.ctx.target_path.is_dir() or self.ctx.target_path.suffix != ".gguf"):
+            why = f"llama.cpp: skipped, it needs a GGUF target (got {self.ctx.target_path})"
+        return why
+
+    def method_names(self) -> list[str]:
+        return ["llamacpp-plain", "llamacpp-prompt-lookup"]
+
+    def _new_llama(self, draft_model: Any = None) -> Any:
+        from llama_cpp import Llama
+
+        n_ctx = max(4096, self.ctx.max_prompt_tokens + self.ctx.max_tokens + 16)
+        llm = Llama(model_path=str(self.ctx.target_path), n_threads=self.ctx.threads, n_ctx=n_ctx,
+                    verbose=False, seed=self.ctx.seed, draft_model=draft_model)
+        self.llms.append(llm)
+        return llm
+
+    def _make(self, llm: Any) -> GenerateFn:
+        ctx = self.ctx
+        stop = {llm.token_eos()}
+        if ctx.eos_token_id is not None:
+            stop.add(ctx.eos_token_id)
+        greedy = ctx.temperature <= 0
+
+        def generate(ids: list[int]) -> list[int]:
+            llm.reset()  # no reuse of the previous prompt's KV cache
+            out: list[int] = []
+            if ctx.max_tokens <= 0:
+                return out
+            for tok in llm.generate(ids, temp=0.0 if greedy else ctx.temperature, top_k=1 if greedy else 0,
+                                    top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+                out.append(int(tok))
+                if tok in stop or len(out) >= ctx.max_tokens:
+                    break
+            return out
+
+        return generate
+
+    def open(self) -> list[PeerMethod]:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        plain = self._new_llama()
+        lookup = self._new_llama(LlamaPromptLookupDecoding(num_pred_tokens=10))
+        return [
+            PeerMethod("llamacpp-plain", self._make(plain), {"n_threads": self.ctx.threads}),
+            PeerMethod("llamacpp-prompt-lookup", self._make(lookup),
+                       {"n_threads": self.ctx.threads, "num_pred_tokens": 10, "max_ngram_size": 2}),
+        ]
+
+    def close(self) -> None:
+        for llm in self.llms:
+            close = getattr(llm, "close", None)
+            if close is not None:
+                close()
+        self.llms = []
+        super().close()
+
+
+PEER_CLASSES: dict[str, type[Peer]] = {"transformers": TransformersPeer, "llama.cpp": LlamaCppPeer}
+
+
+def parse_peers(names: list[str]) -> list[str]:
+    out = []
+    for n in names:
+        key = PEER_ALIASES.get(n.strip().lower())
+        if key is None:
+            raise ValueError(f"unknown peer {n!r}; choose from {', '.join(PEERS)}")
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def make_peers(names: list[str], ctx: PeerContext) -> tuple[list[Peer], list[str]]:
+    """The peers that can run, and a note for each one skipped."""
+    peers: list[Peer] = []
+    notes: list[str] = []
+    for name in parse_peers(names):
+        peer = PEER_CLASSES[name](ctx)
+        why = peer.available()
+        if why is None:
+            peers.append(peer)
+        else:
+            notes.append(why)
+    return peers, notes

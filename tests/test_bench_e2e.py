@@ -1,0 +1,73 @@
+"""`specdecode bench` end to end on a tiny random model: files, summary fields, losslessness in fp32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdecode.bench.report import PLOTS
+from specdecode.cli import main
+
+PROMPTS = [
+    {"category": "code", "turns": ["def add(a, b):"]},
+    {"category": "prose", "turns": ["The quick brown fox jumps over the lazy dog."]},
+    {"category": "code", "turns": ["for i in range(10):\n    print(i * i)"]},
+    {"category": "prose", "turns": ["Speculative decoding drafts tokens."]},
+    {"category": "code", "turns": ["import numpy as np"]},  # beyond --per-task 2
+]
+
+
+@pytest.mark.timeout(180)
+def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "out"
+    rc = main([
+        "bench", "--model", str(tiny_llama_dir), "--draft", str(tiny_llama_dir), "--methods", "plain,ngram,draft",
+        "--dataset", str(data), "--per-task", "2", "--max-tokens", "8", "--dtype", "fp32",
+        "--peers", "transformers,llama.cpp", "--bandwidth-gb", "0.05", "--no-progress", "--out", str(out),
+    ])
+    assert rc == 0
+    for name in ("records.jsonl", "summary.json", "summary.md", *PLOTS):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    ours = [r for r in records if r["engine"] == "specdecode"]
+    assert len(ours) == 3 * 4
+    for r in records:
+        for key in ("method", "task", "prompt_index", "prompt_tokens", "output_tokens", "seconds",
+                    "tokens_per_second", "steps", "mean_accepted_length", "acceptance_rate", "token_ids"):
+            assert key in r
+        assert 1 <= r["output_tokens"] <= 8 and len(r["token_ids"]) == r["output_tokens"]
+    assert {r["task"] for r in records} == {"code", "prose"}
+
+    s = json.loads((out / "summary.json").read_text())
+    for key in ("command", "machine", "config", "protocol", "methods", "tasks", "by_method", "bandwidth",
+                "memory_floor", "notes"):
+        assert key in s, key
+    assert s["methods"][:3] == ["plain", "ngram", "draft"]
+    assert s["tasks"] == ["code", "prose"]
+    for method in ("plain", "ngram", "draft"):
+        entry = s["by_method"][method]
+        for scope in [entry["overall"], *entry["tasks"].values()]:
+            for key in ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_rate",
+                        "acceptance_by_position", "identical_rate", "draft_seconds", "verify_seconds"):
+                assert key in scope, (method, key)
+        assert entry["overall"]["identical_rate"] == 1.0  # fp32 greedy: speculation is lossless
+        assert entry["resources"]["peak_rss_bytes"] > 0
+    assert s["by_method"]["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert s["by_method"]["plain"]["overall"]["mean_accepted_length"] == pytest.approx(1.0)
+    floor = s["memory_floor"]
+    assert floor["weight_bytes_per_token"] > 0 and floor["floor_tokens_per_second"] > 0
+    assert floor["plain_fraction_of_floor"] > 0 and floor["plain_decode_tokens_per_second"] > 0
+
+    # peers: transformers loads the HF directory; llama.cpp needs a GGUF (or is not installed): a note
+    assert {"hf-plain", "hf-assisted", "hf-assisted-k4", "hf-prompt-lookup"} <= set(s["methods"])
+    assert s["by_method"]["hf-plain"]["overall"]["mean_accepted_length"] is None
+    assert any(n.startswith("llama.cpp: skipped") for n in s["notes"])
+
+    md = (out / "summary.md").read_text()
+    assert "## Overall" in md and "## code" in md and "## prose" in md and "specdecode bench --model" in md
+    assert "of the floor" in md

@@ -1,0 +1,192 @@
+"""Benchmark statistics on hand-made records (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specdecode.bench import stats
+from specdecode.bench.bandwidth import memory_floor, weight_bytes_per_token
+from specdecode.bench.datasets import load_prompts
+from specdecode.bench.harness import parse_method
+
+
+def rec(method, task, i, out, seconds, steps=None, drafted=None, accepted=None, acc_pos=None, dr_pos=None,
+        ids=None):
+    return {
+        "method": method, "task": task, "prompt_index": i, "output_tokens": out, "seconds": seconds,
+        "tokens_per_second": out / seconds, "steps": steps, "draft_tokens": drafted, "accepted_tokens": accepted,
+        "accepted_by_position": acc_pos, "drafted_by_position": dr_pos, "draft_seconds": None,
+        "verify_seconds": None, "token_ids": ids if ids is not None else list(range(out)),
+    }
+
+
+def test_speedup_is_ratio_of_means_not_mean_of_ratios():
+    plain = [rec("plain", "t", 0, 10, 1.0), rec("plain", "t", 1, 10, 10.0)]  # 10 and 1 tok/s
+    fast = [rec("m", "t", 0, 20, 1.0), rec("m", "t", 1, 10, 5.0)]  # 20 and 2 tok/s
+    assert stats.mean_tokens_per_second(plain) == pytest.approx(5.5)
+    assert stats.mean_tokens_per_second(fast) == pytest.approx(11.0)
+    assert stats.speedup(fast, plain) == pytest.approx(11.0 / 5.5)  # 2.0
+    # the mean of per-prompt ratios would be (2 + 2) / 2 = 2.0 too; make them differ:
+    fast2 = [rec("m", "t", 0, 30, 1.0), rec("m", "t", 1, 10, 10.0)]  # 30 and 1 tok/s: ratios 3 and 1
+    assert stats.speedup(fast2, plain) == pytest.approx(15.5 / 5.5)
+    assert stats.speedup(fast2, plain) != pytest.approx(2.0)
+    assert stats.speedup([], plain) is None
+    assert stats.speedup(fast, []) is None
+
+
+def test_tau_is_sum_output_over_sum_steps():
+    rs = [rec("m", "t", 0, 10, 1.0, steps=4), rec("m", "t", 1, 2, 1.0, steps=2)]
+    assert stats.mean_accepted_length(rs) == pytest.approx(12 / 6)  # not mean(2.5, 1.0) = 1.75
+    assert stats.mean_accepted_length([rec("hf", "t", 0, 5, 1.0)]) is None  # steps unknown
+    assert stats.mean_accepted_length([rec("m", "t", 0, 0, 1.0, steps=0)]) is None
+
+
+def test_acceptance_rate_is_sum_accepted_over_sum_drafted():
+    rs = [rec("m", "t", 0, 10, 1.0, drafted=10, accepted=9), rec("m", "t", 1, 2, 1.0, drafted=30, accepted=3)]
+    assert stats.acceptance_rate(rs) == pytest.approx(12 / 40)
+    assert stats.acceptance_rate([rec("m", "t", 0, 3, 1.0, drafted=0, accepted=0)]) is None
+    assert stats.acceptance_rate([rec("hf", "t", 0, 3, 1.0)]) is None
+    mixed = [rs[0], rec("hf", "t", 1, 3, 1.0)]  # one unknown makes the sum unknown
+    assert stats.acceptance_rate(mixed) is None
+
+
+def test_acceptance_by_position_sums_counts():
+    rs = [
+        rec("m", "t", 0, 5, 1.0, acc_pos=[4, 2], dr_pos=[4, 4]),
+        rec("m", "t", 1, 5, 1.0, acc_pos=[1, 0, 0], dr_pos=[4, 2, 1]),
+    ]
+    assert stats.position_counts(rs) == ([5, 2, 0], [8, 6, 1])
+    assert stats.acceptance_by_position(rs) == pytest.approx([5 / 8, 2 / 6, 0.0])
+    assert stats.acceptance_by_position([rec("m", "t", 0, 5, 1.0, acc_pos=[], dr_pos=[])]) == []
+    assert stats.acceptance_by_position([rec("hf", "t", 0, 5, 1.0)]) is None
+
+
+def test_identical_rate_matches_prompts_by_task_and_index():
+    plain = [rec("plain", "a", 0, 3, 1.0, ids=[1, 2, 3]), rec("plain", "a", 1, 3, 1.0, ids=[4, 5, 6]),
+             rec("plain", "b", 0, 2, 1.0, ids=[7, 8])]
+    other = [rec("m", "b", 0, 2, 1.0, ids=[7, 8]), rec("m", "a", 1, 3, 1.0, ids=[4, 5, 9]),
+             rec("m", "a", 0, 3, 1.0, ids=[1, 2, 3]), rec("m", "c", 0, 1, 1.0, ids=[1])]
+    assert stats.identical_rate(other, plain) == pytest.approx(2 / 3)  # task c has no baseline: left out
+    assert stats.identical_rate(plain, plain) == 1.0
+    assert stats.identical_rate([rec("m", "z", 0, 1, 1.0)], plain) is None
+
+
+def test_summarize_per_task_and_overall():
+    plain = [rec("plain", "a", 0, 10, 1.0, steps=10, drafted=0, accepted=0, acc_pos=[], dr_pos=[], ids=[1]),
+             rec("plain", "b", 0, 10, 2.0, steps=10, drafted=0, accepted=0, acc_pos=[], dr_pos=[], ids=[2])]
+    spec = [rec("draft", "a", 0, 10, 0.5, steps=4, drafted=12, accepted=6, acc_pos=[3, 2, 1], dr_pos=[4, 4, 4],
+                ids=[1]),
+            rec("draft", "b", 0, 10, 2.0, steps=10, drafted=10, accepted=0, acc_pos=[0], dr_pos=[10], ids=[3])]
+    hf = [rec("hf-plain", "a", 0, 10, 0.5, ids=[1]), rec("hf-plain", "b", 0, 10, 0.5, ids=[2]),
+          rec("hf-assisted", "a", 0, 10, 0.25, ids=[1]), rec("hf-assisted", "b", 0, 10, 1.0, ids=[9])]
+    s = stats.summarize(plain + spec + hf, "plain", {"hf-assisted": "hf-plain"})
+    assert s["methods"] == ["plain", "draft", "hf-plain", "hf-assisted"]
+    assert s["tasks"] == ["a", "b"]
+    d = s["by_method"]["draft"]
+    assert d["overall"]["tokens_per_second"] == pytest.approx((20 + 5) / 2)
+    assert d["overall"]["speedup"] == pytest.approx(12.5 / 7.5)
+    assert d["tasks"]["a"]["speedup"] == pytest.approx(20 / 10)
+    assert d["tasks"]["b"]["speedup"] == pytest.approx(1.0)
+    assert d["overall"]["mean_accepted_length"] == pytest.approx(20 / 14)
+    assert d["tasks"]["a"]["mean_accepted_length"] == pytest.approx(2.5)
+    assert d["overall"]["acceptance_rate"] == pytest.approx(6 / 22)
+    assert d["overall"]["acceptance_by_position"] == pytest.approx([3 / 14, 2 / 4, 1 / 4])
+    assert d["overall"]["identical_rate"] == pytest.approx(0.5)
+    assert d["tasks"]["a"]["identical_rate"] == 1.0
+    p = s["by_method"]["plain"]["overall"]
+    assert p["speedup"] == pytest.approx(1.0) and p["identical_rate"] == 1.0 and p["mean_accepted_length"] == 1.0
+    a = s["by_method"]["hf-assisted"]
+    assert a["overall"]["speedup_vs_own_plain"] == pytest.approx(((40 + 10) / 2) / 20)
+    assert a["overall"]["identical_rate_vs_own_plain"] == pytest.approx(0.5)
+    assert a["overall"]["mean_accepted_length"] is None and a["overall"]["acceptance_rate"] is None
+    assert "speedup_vs_own_plain" not in s["by_method"]["draft"]["overall"]
+
+
+def test_parse_method():
+    assert parse_method("plain", None).speculative_config is None
+    assert parse_method("ngram", None).speculative_config == {"method": "ngram", "num_speculative_tokens": "auto"}
+    assert parse_method("ngram-k3", None).speculative_config["num_speculative_tokens"] == 3
+    assert parse_method("draft-k4", "d").speculative_config == {"method": "draft", "num_speculative_tokens": 4,
+                                                               "model": "d"}
+    for bad in ("plain-k2", "medusa", "draft-k"):
+        with pytest.raises(ValueError):
+            parse_method(bad, "d")
+    with pytest.raises(ValueError, match="--draft"):
+        parse_method("draft", None)
+
+
+def test_datasets_load_and_select():
+    sb = load_prompts("spec_bench", ["summarization", "qa"], per_task=2)
+    assert [(p.task, p.index) for p in sb] == [("summarization", 0), ("summarization", 1), ("qa", 0), ("qa", 1)]
+    assert all(len(p.messages) == 1 and p.messages[0]["role"] == "user" for p in sb)
+    tasks = {p.task for p in load_prompts("spec_bench", per_task=1)}
+    assert tasks == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+    he = load_prompts("humaneval", limit=1)[0]
+    assert he.task == "code" and he.messages[0]["content"].startswith("Complete the following Python function:\n```")
+    gs = load_prompts("gsm8k", limit=2)
+    assert [p.task for p in gs] == ["math", "math"] and "ducks" in gs[0].messages[0]["content"]
+    mt = load_prompts("mt_bench", ["coding"], per_task=3)
+    assert len(mt) == 3 and mt[0].task == "coding"
+    with pytest.raises(ValueError, match="no prompts for tasks"):
+        load_prompts("gsm8k", ["nope"])
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_prompts("no-such-dataset")
+
+
+def test_weight_bytes_excludes_embedding_and_counts_tied_head_once():
+    import torch
+    from torch import nn
+
+    class M(nn.Module):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(100, 8)
+            self.proj = nn.Linear(8, 8, bias=False)
+            self.head = nn.Linear(8, 100, bias=False)
+            if tie:
+                self.head.weight = self.embed.weight
+            self.register_buffer("rope", torch.zeros(50), persistent=False)
+
+    untied = weight_bytes_per_token(M(False))
+    assert untied["bytes"] == (64 + 800) * 4 and untied["embedding_bytes_excluded"] == 800 * 4
+    tied = weight_bytes_per_token(M(True))
+    assert tied["bytes"] == (64 + 800) * 4 and tied["embedding_bytes_excluded"] == 0
+    assert memory_floor(10.0, 10**9) == pytest.approx(10.0)
+    assert math.isinf(memory_floor(10.0, 0))
+
+
+def test_weight_bytes_counts_packed_linear_tensors():
+    import torch
+    from torch import nn
+
+    from specdecode.model.fast_linear import convert_linears
+
+    model = nn.Sequential(nn.Linear(64, 32, bias=False))
+    convert_linears(model, "int8")
+    info = weight_bytes_per_token(model)
+    assert info["bytes"] == 64 * 32 * 1 + 32 * 2  # int8 weight + bf16 scales
+    model = nn.Sequential(nn.Linear(64, 32, bias=False).to(torch.bfloat16))
+    convert_linears(model, "packed-bf16")
+    assert weight_bytes_per_token(model)["bytes"] == 64 * 32 * 2
+
+
+def test_weight_bytes_counts_int4_packed_and_scales_not_test_copy():
+    from torch import nn
+
+    from specdecode.model.fast_linear import convert_linears
+
+    model = nn.Sequential(nn.Linear(64, 32, bias=False))
+    convert_linears(model, "int4")
+    lin = model[0]
+    expected = lin.packed.numel() * lin.packed.element_size() + lin.scales_zeros.numel() * 2
+    assert weight_bytes_per_token(model)["bytes"] == expected  # the `_dq` test copy is not read per token
+
+
+def test_decode_rate_skips_prompts_without_a_decode_phase():
+    rs = [dict(rec("m", "t", 0, 5, 1.0), decode_tokens_per_second=8.0),
+          dict(rec("m", "t", 1, 1, 1.0), decode_tokens_per_second=None),
+          dict(rec("m", "t", 2, 5, 1.0), decode_tokens_per_second=4.0)]
+    assert stats.mean_decode_tokens_per_second(rs) == pytest.approx(6.0)
+    assert stats.mean_decode_tokens_per_second([rec("hf", "t", 0, 5, 1.0)]) is None

@@ -1,0 +1,395 @@
+"""Engine behaviour around the step loop: start-up validation, seeds, sampling with speculation,
+chat, adaptive k with a useless drafter, and the metrics a request reports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdecode import LLM, SamplingParams
+from specdecode.engine import llm as llm_module
+from specdecode.engine import validation
+from specdecode.engine.adaptive import CostModel
+from specdecode.engine.validation import IncompatibleDraftError, InsufficientMemoryError
+from specdecode.proposers.base import Draft, SequenceView
+
+SMOL = "smollm2-135m-instruct"
+PROMPT = "def add(a, b):\n    return a + b\n"
+METRIC_KEYS = {
+    "steps", "draft_tokens", "accepted_tokens", "mean_accepted_length", "acceptance_rate",
+    "acceptance_by_position", "prompt_tokens", "output_tokens", "seconds", "tokens_per_second", "prefill_seconds",
+}
+
+
+@pytest.fixture(autouse=True)
+def _two_threads() -> None:
+    """Overrides conftest's: one thread (tiny models; a second OpenMP thread only slows a loaded machine)."""
+    torch.set_num_threads(1)
+
+
+def fp32(model: Path | str, spec: dict[str, Any] | None = None, **kw: Any) -> LLM:
+    return LLM(str(model), dtype="fp32", device="cpu", speculative_config=spec, **kw)
+
+
+def draft_cfg(model: Path | str, k: int | str = 4, **kw: Any) -> dict[str, Any]:
+    return {"method": "draft", "model": str(model), "num_speculative_tokens": k, "draft_dtype": "fp32", **kw}
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir: Path) -> LLM:
+    return fp32(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def spec_random(tiny_llama_dir: Path, tiny_llama_other_dir: Path) -> LLM:
+    """Fixed k = 4 with a drafter that is right only by chance."""
+    return fp32(tiny_llama_dir, draft_cfg(tiny_llama_other_dir, 4))
+
+
+@pytest.fixture(scope="module")
+def spec_same(tiny_llama_dir: Path) -> LLM:
+    return fp32(tiny_llama_dir, draft_cfg(tiny_llama_dir, 4))
+
+
+@pytest.fixture(scope="module")
+def spec_ngram(tiny_llama_dir: Path) -> LLM:
+    return fp32(tiny_llama_dir, NGRAM)
+
+
+# ---- start-up validation ----------------------------------------------------------------------
+
+
+def copy_with_swapped_tokens(src: Path, dst: Path, a: int, b: int) -> Path:
+    """Same weights, same vocabulary size, but ids a and b mean each other's strings."""
+    shutil.copytree(src, dst)
+    tok_file = dst / "tokenizer.json"
+    data = json.loads(tok_file.read_text())
+    vocab = data["model"]["vocab"]
+    by_id = {i: s for s, i in vocab.items()}
+    vocab[by_id[a]], vocab[by_id[b]] = b, a
+    tok_file.write_text(json.dumps(data))
+    return dst
+
+
+def copy_with_padded_vocab(src: Path, dst: Path, extra: int) -> Path:
+    """Same tokenizer, embeddings padded by `extra` rows (as checkpoints pad to a multiple of 64/128)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["vocab_size"] += extra
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in tensors:
+                w = tensors[name]
+                tensors[name] = torch.cat([w, torch.zeros(extra, w.shape[1], dtype=w.dtype)])
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst
+
+
+def test_draft_with_a_different_tokenizer_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    bad = copy_with_swapped_tokens(tiny_llama_dir, tmp_path / "swapped", 40, 41)
+    with pytest.raises(IncompatibleDraftError) as info:
+        fp32(tiny_llama_dir, draft_cfg(bad))
+    msg = str(info.value)
+    assert str(tiny_llama_dir) in msg and str(bad) in msg
+    assert "first differing ids: 40: target" in msg  # the first differing id, with both strings
+    # The reverse direction too.
+    with pytest.raises(IncompatibleDraftError, match="first differing ids: 40: target"):
+        fp32(bad, draft_cfg(tiny_llama_dir))
+
+
+def test_draft_with_padded_vocab_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    padded = copy_with_padded_vocab(tiny_llama_dir, tmp_path / "padded", 64)
+    with pytest.raises(IncompatibleDraftError) as info:
+        fp32(tiny_llama_dir, draft_cfg(padded))
+    msg = str(info.value)
+    assert str(padded) in msg and str(tiny_llama_dir) in msg
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    assert str(vocab) in msg and str(vocab + 64) in msg
+
+
+@pytest.mark.real
+def test_real_and_tiny_vocabularies_are_refused_both_ways(tiny_llama_dir: Path) -> None:
+    with pytest.raises(IncompatibleDraftError) as info:
+        LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config={"model": SMOL})
+    msg = str(info.value)
+    assert SMOL in msg and str(tiny_llama_dir) in msg
+    assert "49152" in msg and "first differing id" in msg
+    with pytest.raises(IncompatibleDraftError) as info:
+        LLM(SMOL, dtype="bf16", device="cpu", max_model_len=256,
+            speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 2})
+    msg = str(info.value)
+    assert SMOL in msg and str(tiny_llama_dir) in msg and "first differing id" in msg
+
+
+def _forbid_compute(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the target ran before the request was validated")
+
+    monkeypatch.setattr(llm.decoder, "_forward", boom)
+    monkeypatch.setattr(llm.decoder, "prefill", boom)
+
+
+def test_prompt_plus_max_tokens_over_context_is_refused_before_compute(
+    spec_random: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _forbid_compute(spec_random, monkeypatch)
+    ctx = spec_random.max_model_len
+    with pytest.raises(ValueError, match=f"context length {ctx}"):
+        spec_random.generate(PROMPT, SamplingParams(max_tokens=ctx))
+    # One bad prompt in a batch: nothing at all is computed, not even the good ones before it.
+    with pytest.raises(ValueError, match="exceeds the context"):
+        spec_random.generate([PROMPT, [5] * (ctx - 3)], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="exceeds the context"):
+        next(iter(spec_random.stream([5] * ctx, SamplingParams(max_tokens=1))))
+    with pytest.raises(ValueError, match="empty prompt"):
+        spec_random.generate([[]], SamplingParams(max_tokens=1))  # type: ignore[list-item]
+
+
+def test_prompt_that_fills_the_context_exactly_is_fine(tiny_llama_dir: Path) -> None:
+    llm = fp32(tiny_llama_dir, NGRAM, max_model_len=32)
+    out = llm.generate([7] * 24, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("max_model_len", [2, 4, 9, 12])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_short_context_with_auto_k(
+    tiny_llama_dir: Path, tiny_llama_other_dir: Path, plain: LLM, method: str, max_model_len: int
+) -> None:
+    """Start-up cost measurement (auto k) must fit a context shorter than k_max; output stays exact."""
+    cfg = draft_cfg(tiny_llama_other_dir, "auto") if method == "draft" else {"method": "ngram"}
+    llm = fp32(tiny_llama_dir, cfg, max_model_len=max_model_len)
+    assert llm.decoder.cost is not None
+    prompt = plain.tokenizer.encode(PROMPT)[: max_model_len // 2]
+    params = SamplingParams(max_tokens=max_model_len - len(prompt), temperature=0.0, ignore_eos=True)
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == plain.generate(prompt, params)[0].token_ids
+    assert len(prompt) + len(out.token_ids) == max_model_len
+
+
+def test_memory_check_refuses_before_loading(
+    tiny_llama_dir: Path, tiny_llama_other_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(validation, "available_bytes", lambda device: 10 * 2**20)
+
+    def no_load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("weights were loaded before the memory check")
+
+    monkeypatch.setattr(llm_module, "load_resolved", no_load)
+    with pytest.raises(InsufficientMemoryError, match="GiB") as info:
+        fp32(tiny_llama_dir, draft_cfg(tiny_llama_other_dir))
+    assert "target" in str(info.value) and "draft" in str(info.value)
+    with pytest.raises(MemoryError):
+        fp32(tiny_llama_dir)
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+
+def sampled(seed: int | None, max_tokens: int = 24, **kw: Any) -> SamplingParams:
+    base: dict[str, Any] = {"temperature": 1.5, "max_tokens": max_tokens, "seed": seed, "ignore_eos": True}
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+@pytest.mark.parametrize("which", ["plain", "spec_random", "spec_same", "spec_ngram"])
+def test_seeded_sampling_is_reproducible(which: str, request: pytest.FixtureRequest) -> None:
+    llm: LLM = request.getfixturevalue(which)
+    a = llm.generate([PROMPT, "The quick"], sampled(seed=1234))
+    b = llm.generate([PROMPT, "The quick"], sampled(seed=1234))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.text for o in a] == [o.text for o in b]
+    # Other seeds give other samples (at temperature 1.5 the tiny model is far from deterministic).
+    others = {tuple(llm.generate(PROMPT, sampled(seed=s))[0].token_ids) for s in range(3)}
+    assert len(others | {tuple(a[0].token_ids)}) > 1
+    # No seed in the request: the LLM's default seed, also reproducible.
+    c = llm.generate(PROMPT, sampled(seed=None))[0]
+    d = llm.generate(PROMPT, sampled(seed=None))[0]
+    assert c.token_ids == d.token_ids
+
+
+SAMPLING_CASES = [
+    {"temperature": 0.8, "top_k": 20},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 0.7, "min_p": 0.1},
+    {"temperature": 1.0, "repetition_penalty": 1.3},
+    {"temperature": 1.2, "top_k": 50, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.2,
+     "presence_penalty": 0.5, "frequency_penalty": 0.3},
+]
+
+
+@pytest.mark.parametrize("which", ["spec_random", "spec_same", "spec_ngram"])
+@pytest.mark.parametrize("case", SAMPLING_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_sampling_with_speculation(which: str, case: dict[str, Any], request: pytest.FixtureRequest) -> None:
+    llm: LLM = request.getfixturevalue(which)
+    out = llm.generate([PROMPT, "The quick brown fox"], SamplingParams(max_tokens=20, seed=3, ignore_eos=True, **case))
+    vocab = llm.target.config.vocab_size
+    for o in out:
+        assert len(o.token_ids) == 20 and o.finish_reason == "length"
+        assert all(0 <= t < vocab for t in o.token_ids)
+        m = o.metrics
+        assert m["output_tokens"] == 20 and m["steps"] + m["accepted_tokens"] == 20
+        assert 0 <= m["accepted_tokens"] <= m["draft_tokens"]
+    if which == "spec_same":
+        # Draft distribution == target distribution (up to fp32 rounding): practically everything is accepted.
+        assert sum(o.metrics["accepted_tokens"] for o in out) >= 0.9 * sum(o.metrics["draft_tokens"] for o in out)
+    # Without ignore_eos the output may end early, never late.
+    short = llm.generate(PROMPT, SamplingParams(max_tokens=7, seed=5, **case))[0]
+    assert 1 <= len(short.token_ids) <= 7
+
+
+@pytest.mark.parametrize("which", ["spec_random", "spec_same", "spec_ngram"])
+def test_greedy_with_penalties_matches_plain(which: str, plain: LLM, request: pytest.FixtureRequest) -> None:
+    """Penalties see each draft token before it as output: greedy + penalties stays exact."""
+    llm: LLM = request.getfixturevalue(which)
+    params = SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.7,
+                            presence_penalty=0.4, ignore_eos=True)
+    for prompt in (PROMPT, "The quick brown fox jumps over the lazy dog. The quick"):
+        assert llm.generate(prompt, params)[0].token_ids == plain.generate(prompt, params)[0].token_ids
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["plain", "spec_same"])
+def test_chat(which: str, plain: LLM, request: pytest.FixtureRequest) -> None:
+    llm: LLM = request.getfixturevalue(which)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    out = llm.chat(msgs, params)
+    assert len(out) == 1
+    ids = llm.tokenizer.apply_chat_template(msgs)
+    assert out[0].prompt_token_ids == ids
+    assert ids[0] == llm.tokenizer.hf.convert_tokens_to_ids("<|im_start|>")
+    assert out[0].token_ids == plain.generate(ids, params)[0].token_ids
+    # A list of conversations gives one output each, in order.
+    two = llm.chat([msgs, [{"role": "user", "content": "hi"}]], params)
+    assert len(two) == 2 and two[0].token_ids == out[0].token_ids
+    with pytest.raises(ValueError, match="empty"):
+        llm.chat([], params)
+
+
+# ---- adaptive k ---------------------------------------------------------------------------------
+
+
+class CountingProposer:
+    """Wraps a proposer and records, per verify step, how many tokens it drafted."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.drafted: list[tuple[int, int]] = []  # (output tokens before the step, tokens drafted)
+
+    def begin(self, seq: SequenceView) -> None:
+        self.drafted = []
+        self.inner.begin(seq)
+
+    def propose(self, seq: SequenceView, k: int) -> Draft:
+        d = self.inner.propose(seq, k)
+        self.drafted.append((len(seq.token_ids) - seq.prompt_len, len(d)))
+        return d
+
+    def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
+        self.inner.on_verified(seq, num_accepted)
+
+    def step_cost_hint(self) -> float:
+        return self.inner.step_cost_hint()
+
+
+@pytest.fixture(scope="module")
+def spec_auto_random(tiny_llama_dir: Path, tiny_llama_other_dir: Path) -> LLM:
+    return fp32(tiny_llama_dir, draft_cfg(tiny_llama_other_dir, "auto"))
+
+
+# A draft model step costs 20% of a target forward; verifying 9 tokens costs 1.2 forwards.
+KNOWN_COST = CostModel.from_points({1: 0.010, 9: 0.012}, 9, draft_step_seconds=0.002)
+
+
+def test_adaptive_k_stops_drafting_with_a_useless_drafter(
+    spec_auto_random: LLM, plain: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dec = spec_auto_random.decoder
+    assert dec.fixed_k is None and dec.cost is not None  # "auto" measured the cost at start-up
+    counting = CountingProposer(dec.proposer)
+    monkeypatch.setattr(dec, "proposer", counting)
+    monkeypatch.setattr(dec, "cost", KNOWN_COST)  # deterministic, whatever the machine's load
+    n = 200
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    out = spec_auto_random.generate(PROMPT, params)[0]
+    assert out.token_ids == plain.generate(PROMPT, params)[0].token_ids
+    m = out.metrics
+    assert m["acceptance_rate"] <= 0.2
+    assert m["steps"] >= 0.9 * n
+    assert m["draft_tokens"] <= 0.15 * m["steps"]
+    # After warm-up (the first 40 tokens) only occasional 1-token probes remain.
+    late = [d for pos, d in counting.drafted if pos >= 40]
+    assert len(late) <= 0.05 * (n - 40)
+    assert all(d <= 1 for d in late)
+
+
+def test_adaptive_k_drafts_long_with_a_perfect_drafter(spec_same: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    dec = spec_same.decoder
+    monkeypatch.setattr(dec, "fixed_k", None)
+    monkeypatch.setattr(dec, "k_max", 8)
+    monkeypatch.setattr(dec, "cost", KNOWN_COST)
+    out = spec_same.generate(PROMPT, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))[0]
+    assert out.metrics["acceptance_rate"] == 1.0
+    assert out.metrics["mean_accepted_length"] > 4
+
+
+def test_adaptive_k_with_measured_cost_stays_exact(spec_auto_random: LLM, plain: LLM) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    out = spec_auto_random.generate(PROMPT, params)[0]
+    assert out.token_ids == plain.generate(PROMPT, params)[0].token_ids
+    assert out.metrics["draft_tokens"] < 40 * 8
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["plain", "spec_random", "spec_same", "spec_ngram"])
+def test_metrics_keys_and_values(which: str, request: pytest.FixtureRequest) -> None:
+    llm: LLM = request.getfixturevalue(which)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    m = out.metrics
+    assert METRIC_KEYS <= set(m)
+    json.dumps(m)  # JSON-ready
+    assert m["prompt_tokens"] == len(llm.tokenizer.encode(PROMPT)) == len(out.prompt_token_ids)
+    assert m["output_tokens"] == 16 == len(out.token_ids)
+    assert m["seconds"] > 0 and m["tokens_per_second"] == pytest.approx(16 / m["seconds"])
+    assert 0 < m["prefill_seconds"] <= m["seconds"]
+    assert m["mean_accepted_length"] == pytest.approx(16 / m["steps"])
+    assert 0.0 <= m["acceptance_rate"] <= 1.0
+    assert all(0.0 <= a <= 1.0 for a in m["acceptance_by_position"])
+    if which == "plain":
+        assert m["steps"] == 16 and m["draft_tokens"] == 0 and m["acceptance_by_position"] == []
+    if which == "spec_same":
+        assert m["acceptance_rate"] == 1.0 and m["acceptance_by_position"] == [1.0] * 4
+    assert out.outputs[0].token_ids == out.token_ids and out.outputs[0].text == out.text
+
+
+def test_request_timing_excludes_the_wait_for_earlier_prompts(plain: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """generate() validates every prompt first, then runs them one after the other; each request's
+    seconds / tokens_per_second must measure its own generation, not the queue before it."""
+    real = plain.decoder.generate
+
+    def slow_generate(seq: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)  # stand-in for a long earlier request
+        return real(seq, *args, **kwargs)
+
+    monkeypatch.setattr(plain.decoder, "generate", slow_generate)
+    outs = plain.generate([PROMPT, PROMPT, PROMPT], SamplingParams(max_tokens=4, temperature=0.0))
+    for o in outs:
+        assert o.metrics["seconds"] < 0.5, o.metrics
