@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from specdecode.config import SpeculativeConfig
+from specdecode.engine.batch import BatchEngine
 from specdecode.engine.decoder import SpeculativeDecoder
 from specdecode.engine.sequence import RequestOutput, Sequence
 from specdecode.engine.validation import (
@@ -86,7 +87,7 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         convert_linears(self.target.model, target_linear_format(quantization, self.dtype, self.device))
         self.draft: LoadedModel | None = None
-        proposer: Proposer | None = None
+        self.proposer_factory: Callable[[], Proposer] | None = None
         if spec is not None and spec.method == "draft":
             assert draft_path is not None
             # Refuse an incompatible draft before paying for its weights.
@@ -101,14 +102,30 @@ class LLM:
                 )
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device)
             convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
-            proposer = DraftModelProposer(self.draft.model, self.max_model_len)
+            draft_model = self.draft.model
+            self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len)
         elif spec is not None:
-            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
+            self.proposer_factory = lambda: NgramProposer(lo, hi)
+        proposer = self.proposer_factory() if self.proposer_factory is not None else None
         k_max = spec.k_max if spec is not None else 0
         fixed = None if (spec is None or spec.adaptive) else int(spec.num_speculative_tokens)
         self.decoder = SpeculativeDecoder(self.target.model, self.max_model_len, proposer, k_max, fixed)
         if proposer is not None and fixed is None:
             self.decoder.measure_cost()
+
+    def batch_engine(self, max_num_seqs: int = 8, max_waiting: int = 64) -> BatchEngine:
+        """A continuous-batching engine over the same weights (for serving); measures its cost at start-up."""
+        k_max = self.spec.k_max if self.spec is not None else 0
+        fixed = None if (self.spec is None or self.spec.adaptive) else int(self.spec.num_speculative_tokens)
+        engine = BatchEngine(self.target.model, self.max_model_len, max_num_seqs, max_waiting,
+                             self.proposer_factory, k_max, fixed)
+        engine.measure_cost()
+        return engine
+
+    def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        """Validate and tokenize one request (raises ValueError on bad input)."""
+        return self._new_sequence(prompt, params)
 
     # ---- requests ---------------------------------------------------------------------------------
 
