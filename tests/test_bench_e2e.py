@@ -71,3 +71,63 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     md = (out / "summary.md").read_text()
     assert "## Overall" in md and "## code" in md and "## prose" in md and "specdecode bench --model" in md
     assert "of the floor" in md
+
+
+def test_llamacpp_peer_with_a_fake_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The llama.cpp peer's token loop (stop at EOS / max tokens, no KV reuse), without the real package."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from specdecode.bench.peers import PeerContext, make_peers
+
+    made = []
+
+    class FakeLlama:
+        def __init__(self, model_path, n_threads, n_ctx, verbose, seed, draft_model):
+            self.draft_model, self.resets, self.closed = draft_model, 0, False
+            made.append(self)
+
+        def token_eos(self):
+            return 99
+
+        def reset(self):
+            self.resets += 1
+
+        def generate(self, ids, **kw):
+            assert kw["temp"] == 0.0 and kw["top_k"] == 1 and kw["reset"] is True
+            yield from ids[::-1]  # "generates" the prompt reversed, forever after
+            while True:
+                yield 7
+
+        def close(self):
+            self.closed = True
+
+    class FakeLookup:
+        def __init__(self, num_pred_tokens):
+            self.num_pred_tokens = num_pred_tokens
+
+    root = types.ModuleType("llama_cpp")
+    root.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    root.Llama = FakeLlama
+    spec_mod = types.ModuleType("llama_cpp.llama_speculative")
+    spec_mod.LlamaPromptLookupDecoding = FakeLookup
+    monkeypatch.setitem(sys.modules, "llama_cpp", root)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", spec_mod)
+
+    ctx = PeerContext(target_path=Path("/models/m.gguf"), draft_path=None, eos_token_id=5, max_tokens=4)
+    peers, notes = make_peers(["llama.cpp"], ctx)
+    assert notes == [] and len(peers) == 1
+    peer = peers[0]
+    assert peer.method_names() == ["llamacpp-plain", "llamacpp-prompt-lookup"]
+    plain, lookup = peer.open()
+    assert plain.generate([1, 2, 3]) == [3, 2, 1, 7]  # max tokens
+    assert plain.generate([1, 5, 3]) == [3, 5]  # the target's EOS
+    assert lookup.generate([99, 2]) == [2, 99]  # llama.cpp's own EOS
+    assert made[0].resets == 2 and made[0].draft_model is None and made[1].draft_model.num_pred_tokens == 10
+    peer.close()
+    assert all(m.closed for m in made)
+
+    hf_dir_ctx = PeerContext(target_path=Path("/models/hf-dir"), draft_path=None, eos_token_id=5, max_tokens=4)
+    peers, notes = make_peers(["llamacpp"], hf_dir_ctx)
+    assert peers == [] and "needs a GGUF" in notes[0]

@@ -29,9 +29,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
                    help="target: alias, .gguf file or HF directory (default: %(default)s)")
-    b.add_argument("--methods", type=_csv, default=["plain", "ngram", "draft"],
+    b.add_argument("--methods", type=_csv, default=None,
                    help="comma list of plain, ngram, draft (adaptive k), ngram-kN, draft-kN (fixed k=N) "
-                        "(default: plain,ngram,draft)")
+                        "(default: plain,ngram,draft with --draft, else plain,ngram)")
     b.add_argument("--draft", default=None, help="draft model for draft methods and transformers' assisted "
                                                  "generation (alias, .gguf or HF directory)")
     b.add_argument("--dataset", default="spec_bench",
@@ -50,6 +50,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "package is missing)")
     b.add_argument("--bandwidth-gb", type=float, default=1.0,
                    help="size of the memory-bandwidth probe for the memory floor; 0 skips it (default: %(default)s)")
+    b.add_argument("--no-memory-floor", dest="bandwidth_gb", action="store_const", const=0.0,
+                   help="skip the bandwidth probe and the memory-floor note (same as --bandwidth-gb 0)")
     b.add_argument("--no-warmup", action="store_true", help="do not run the warm-up generation per method")
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--no-progress", action="store_true")
@@ -64,6 +66,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.methods is None:
+        args.methods = ["plain", "ngram", "draft"] if args.draft else ["plain", "ngram"]
     cfg = BenchConfig(
         model=args.model, methods=args.methods, out=args.out, draft=args.draft, dataset=args.dataset,
         tasks=args.tasks, per_task=args.per_task, limit=args.limit, max_tokens=args.max_tokens,

@@ -30,7 +30,7 @@ import torch
 from specdecode.bench import stats
 from specdecode.bench.bandwidth import measure_bandwidth, memory_floor, weight_bytes_per_token
 from specdecode.bench.datasets import BenchPrompt, load_prompts
-from specdecode.bench.peers import PeerContext, make_peers
+from specdecode.bench.peers import PeerContext, make_peers, parse_peers
 
 _METHOD_RE = re.compile(r"^(plain|ngram|draft)(?:-k(\d+))?$")
 
@@ -255,12 +255,12 @@ class BenchRun:
             raise ValueError(f"duplicate methods in {names}")
         if not self.specs:
             raise ValueError("no methods given")
+        parse_peers(cfg.peers)  # unknown names fail now, not after the methods ran
         self.records: list[dict[str, Any]] = []
         self.resources: dict[str, dict[str, Any]] = {}
         self.notes: list[str] = []
         self.prompt_ids: list[list[int]] | None = None
         self.eos_token_id: int | None = None
-        self.target_path: Path | None = None
         self.weight_info: dict[str, Any] | None = None
 
     # ---- ours ----
@@ -284,7 +284,6 @@ class BenchRun:
             if self.prompt_ids is None:  # the target's chat template, once, shared by every method
                 self.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in prompts]
                 self.eos_token_id = llm.tokenizer.eos_token_id
-                self.target_path = Path(llm.target.path)
             if spec.name == "plain" or self.weight_info is None:
                 self.weight_info = {"method": spec.name, **weight_bytes_per_token(llm.target.model)}
             params = self._params()
@@ -307,20 +306,16 @@ class BenchRun:
 
     # ---- peers ----
 
-    def _peer_context(self, prompts: list[BenchPrompt]) -> PeerContext:
+    def _peer_context(self) -> PeerContext:
+        """Paths now; the prompt-dependent fields are filled in once our first method has run."""
         from specdecode.fetch import resolve_model
         from specdecode.model.load import parse_dtype
 
         cfg = self.cfg
-        assert self.prompt_ids is not None
-        draft = cfg.draft or next((s.speculative_config.get("model") for s in self.specs
-                                   if s.speculative_config and s.speculative_config.get("model")), None)
         return PeerContext(
-            target_path=self.target_path or resolve_model(cfg.model),
-            draft_path=resolve_model(draft) if draft else None,
-            eos_token_id=self.eos_token_id, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+            target_path=resolve_model(cfg.model), draft_path=resolve_model(cfg.draft) if cfg.draft else None,
+            eos_token_id=None, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
             dtype=parse_dtype(cfg.dtype), threads=torch.get_num_threads(), seed=cfg.seed,
-            max_prompt_tokens=max(len(i) for i in self.prompt_ids),
         )
 
     def _run_peer(self, peer: Any, prompts: list[BenchPrompt], bar: Any) -> None:
@@ -380,17 +375,20 @@ class BenchRun:
         specs = sorted(self.specs, key=lambda s: s.name != "plain")
         if specs[0].name != "plain":
             self.notes.append("no `plain` method in this run: speedups and identical-output rates are not computed")
-        peer_ctx_names = list(cfg.peers)
-        bar = _progress(len(specs) * len(prompts), cfg.progress)
+        peers: list[Any] = []
+        ctx = None
+        if cfg.peers:
+            ctx = self._peer_context()
+            peers, notes = make_peers(cfg.peers, ctx)
+            self.notes.extend(notes)
+        total = (len(specs) + sum(len(p.method_names()) for p in peers)) * len(prompts)
+        bar = _progress(total, cfg.progress)
         try:
             for spec in specs:
                 self._run_ours(spec, prompts, bar)
-            if peer_ctx_names:
-                ctx = self._peer_context(prompts)
-                peers, notes = make_peers(peer_ctx_names, ctx)
-                self.notes.extend(notes)
-                bar.total += sum(len(p.method_names()) for p in peers) * len(prompts)
-                bar.refresh()
+            if ctx is not None and self.prompt_ids is not None:
+                ctx.eos_token_id = self.eos_token_id
+                ctx.max_prompt_tokens = max(len(i) for i in self.prompt_ids)
                 for peer in peers:
                     self._run_peer(peer, prompts, bar)
         finally:
