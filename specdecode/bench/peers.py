@@ -95,10 +95,11 @@ class Peer:
 def _hf_load(path: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
-    if path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    from specdecode.model.load import hf_checkpoint_dir
+
+    # Not from_pretrained(gguf_file=...): transformers 5 keeps GGUF weights packed and computes in its
+    # own kernels. Our dequantized copy makes the peer run on exactly the weights we run on.
+    model = AutoModelForCausalLM.from_pretrained(str(hf_checkpoint_dir(path, dtype)), dtype=dtype)
     return model.eval()
 
 

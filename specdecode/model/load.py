@@ -103,7 +103,8 @@ def _convert_gguf(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer, ModelConfig]:
+def converted_gguf(path: Path, dtype: torch.dtype) -> tuple[Path, Path]:
+    """(converted dir, weights file) for a GGUF in `dtype`, converting it on first use."""
     conv = _converted_dir(path)
     weights = conv / f"model-{_dtype_tag(dtype)}.safetensors"
     if not weights.exists():
@@ -112,6 +113,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Tr
         except CorruptModelError:
             _forget_cached(path)
             raise
+    return conv, weights
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer, ModelConfig]:
+    conv, weights = converted_gguf(path, dtype)
     cfg = ModelConfig(**json.loads((conv / "specdecode_config.json").read_text()))
     model = _build(cfg, _read_safetensors([weights], dtype), device)
     return model, Tokenizer.from_dir(conv), cfg
@@ -172,3 +178,35 @@ def load_tokenizer(path: Path) -> Tokenizer:
     if (conv / "tokenizer_config.json").exists():
         return Tokenizer.from_dir(conv)
     return Tokenizer.from_gguf(path)
+
+
+def hf_checkpoint_dir(path: Path, dtype: torch.dtype) -> Path:
+    """Our dequantized copy of a GGUF laid out as a Hugging Face checkpoint (config.json, safetensors,
+    tokenizer), so a reference implementation runs on exactly the weights our runtime runs on."""
+    if path.is_dir():
+        return path
+    conv, weights = converted_gguf(path, dtype)
+    cfg = ModelConfig(**json.loads((conv / "specdecode_config.json").read_text()))
+    out = conv / f"hf-{_dtype_tag(dtype)}"
+    out.mkdir(exist_ok=True)
+    hf_cfg = {
+        "model_type": cfg.arch, "architectures": ["Qwen2ForCausalLM" if cfg.arch == "qwen2" else "LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": _dtype_tag(dtype), "hidden_act": "silu",
+    }
+    if cfg.arch == "llama":
+        hf_cfg["attention_bias"] = cfg.attention_bias
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=1))
+    link = out / "model.safetensors"
+    if not link.exists():
+        link.symlink_to(weights)
+    tokenizer_files = ("special_tokens_map.json", "chat_template.jinja")
+    for f in conv.iterdir():
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in tokenizer_files):
+            target = out / f.name
+            if not target.exists():
+                target.symlink_to(f)
+    return out
