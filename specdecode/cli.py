@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from specdecode.server.cli import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 

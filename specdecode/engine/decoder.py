@@ -47,20 +47,21 @@ class SpeculativeDecoder:
 
     # ---- one target forward over [pending token] + draft ------------------------------------
 
-    def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
-        """Run the target over tokens at positions start..; fp32 logits [T, V]."""
+    def _forward(self, tokens: list[int], start: int, last_only: bool = False) -> torch.Tensor:
+        """Run the target over tokens at positions start..; fp32 logits [T, V] ([1, V] if last_only)."""
         dev = self.target.device
         ids = torch.tensor([tokens], device=dev)
         pos = torch.arange(start, start + len(tokens), device=dev).unsqueeze(0)
-        hidden = self.target(ids, pos, self.cache)
-        return self.target.compute_logits(hidden[0])
+        hidden = self.target(ids, pos, self.cache)[0]
+        # A prompt needs only its last position's logits: the output matrix is the largest one.
+        return self.target.compute_logits(hidden[-1:] if last_only else hidden)
 
     def prefill(self, seq: Sequence) -> None:
         """Process the prompt, emit the first token, start the proposer."""
         t0 = time.perf_counter()
         seq.start_time = t0  # timing starts here, not when generate() validated the whole batch
         self.cache.reset()
-        logits = self._forward(seq.token_ids, 0)[-1:]  # [1, V]
+        logits = self._forward(seq.token_ids, 0, last_only=True)  # [1, V]
         self.cache.set_length(0, seq.prompt_len)
         first = sample_rows(seq, logits, [])[0]
         if self.proposer is not None:
@@ -135,7 +136,7 @@ class SpeculativeDecoder:
         context = max(0, min(context, self.max_len - self.k_max - 2))
         ts = [t for t in ts if context + t <= self.max_len] or [1]
         if context:
-            self._forward([1] * context, 0)  # warm-up and a realistic cache
+            self._forward([1] * context, 0, last_only=True)  # warm-up and a realistic cache
         points: dict[int, float] = {}
         for t in ts:
             samples = []

@@ -5,6 +5,7 @@
   CPUs; the packed one reaches it. Exact w.r.t. the bf16 model up to accumulation order.
 - `int8`: weight-only int8 with per-channel scales (`torch._weight_int8pack_mm`).
 - `int4`: weight-only int4 with group-wise scales/zeros (`torch._weight_int4pack_mm_for_cpu`).
+- `int4-hybrid`: int4 for forwards of a few tokens, packed bf16 for prefill (drafts).
 The quantized formats change the model: for drafts (which never change the output) or
 explicit opt-in.
 """
@@ -16,8 +17,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-LinearFormat = Literal["none", "packed-bf16", "int8", "int4"]
-FORMATS: tuple[str, ...] = ("none", "packed-bf16", "int8", "int4")
+LinearFormat = Literal["none", "packed-bf16", "int8", "int4", "int4-hybrid"]
+FORMATS: tuple[str, ...] = ("none", "packed-bf16", "int8", "int4", "int4-hybrid")
 
 
 class PackedBF16Linear(nn.Module):
@@ -86,7 +87,32 @@ class Int4WeightLinear(nn.Module):
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
 
-_CONSTRUCTORS = {"packed-bf16": PackedBF16Linear, "int8": Int8WeightLinear, "int4": Int4WeightLinear}
+class Int4HybridLinear(nn.Module):
+    """int4 for the few-token forwards of drafting, packed bf16 for prompt prefill.
+
+    The int4 kernel is the fastest for one token but slows down steeply with more rows (a long
+    prompt would take seconds), so prefill takes the bf16 copy: more memory, no slow prefill.
+    """
+
+    def __init__(self, linear: nn.Linear, max_int4_rows: int = 8) -> None:
+        super().__init__()
+        self.int4 = Int4WeightLinear(linear)
+        self.bf16 = PackedBF16Linear(linear)
+        self.max_int4_rows = max_int4_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows <= self.max_int4_rows:
+            return self.int4(x)
+        return self.bf16(x.to(torch.bfloat16)).to(x.dtype)
+
+
+_CONSTRUCTORS = {
+    "packed-bf16": PackedBF16Linear,
+    "int8": Int8WeightLinear,
+    "int4": Int4WeightLinear,
+    "int4-hybrid": Int4HybridLinear,
+}
 
 
 def convert_linears(model: nn.Module, fmt: LinearFormat) -> nn.Module:
@@ -119,9 +145,10 @@ def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.de
 
 
 def draft_linear_format(quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormat:
-    """A draft never changes the output, so "auto" takes the fastest single-token path: int4 on CPU."""
+    """A draft never changes the output, so "auto" takes the fastest single-token path: int4 on CPU
+    (measured 27 ms vs 52 ms packed bf16 per token for the 0.5B draft), with bf16 for its prefill."""
     if quantization == "auto":
         if device.type != "cpu" or dtype != torch.bfloat16:
             return "none"
-        return "int4"
+        return "int4-hybrid"
     return target_linear_format(quantization, dtype, device)

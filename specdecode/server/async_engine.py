@@ -1,0 +1,287 @@
+"""Run a BatchEngine on a background thread and deliver each request's news to asyncio.
+
+The engine is not thread-safe, so only its thread touches it: the event loop sends it
+commands (add, abort, stop) through a thread-safe queue; the thread drains the queue
+before every step, runs ``BatchEngine.step()`` while there is work (and blocks on the queue
+when there is none), and hands each request's updates to its ``asyncio.Queue`` through
+``loop.call_soon_threadsafe``. Because aborts are drained before every step, a request whose
+consumer goes away leaves the batch, and frees its cache row, before the next step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdecode.engine.batch import BatchEngine
+from specdecode.engine.sequence import Sequence
+from specdecode.metrics import SpecStats
+from specdecode.server.metrics import ServerMetrics, snapshot
+
+logger = logging.getLogger("specdecode.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (stopped, or never started)."""
+
+
+@dataclass
+class Update:
+    """News of one request after a step. ``text`` is new text safe to stream (never part of a stop string)."""
+
+    text: str
+    num_output: int
+    """Output tokens generated so far (EOS and tokens completing a stop string included)."""
+    prompt_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None
+    """``SpecStats.to_dict()`` of the request; set on the final update."""
+    error: str | None = None
+    """Set when the engine failed this request (the server turns it into a 500-style error)."""
+
+
+class RequestStream:
+    """Async iterator of one request's updates; ``close()`` aborts the request unless it finished."""
+
+    def __init__(self, engine: AsyncEngine, seq: Sequence) -> None:
+        self._engine = engine
+        self.seq = seq
+        self.request_id = seq.request_id
+        self.prompt_tokens = seq.prompt_len
+        self._queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.done = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Update:
+        if self.done:
+            raise StopAsyncIteration
+        update = await self._queue.get()
+        if update.finished or update.error is not None:
+            self.done = True
+        return update
+
+    def close(self) -> None:
+        """Abort the request if it is still queued or running (idempotent, safe from any task)."""
+        if not self.done and not self._closed:
+            self._closed = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Live:
+    stream: RequestStream
+    loop: asyncio.AbstractEventLoop
+    t_admit: float
+    last_output: int = 0
+    spec: SpecStats | None = None
+    first_token_seen: bool = False
+    seen_step: int = field(default=-1)
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Owner of a BatchEngine's thread. Start with ``start()``, end with ``stop()``."""
+
+    def __init__(self, engine: BatchEngine, metrics: ServerMetrics | None = None, idle_poll_s: float = 1.0) -> None:
+        self.engine = engine
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self.idle_poll_s = idle_poll_s
+        self._cmds: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._steps = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the thread to finish; pending requests get an error update."""
+        self._stopping = True
+        if self._thread is not None:
+            self._cmds.put(_STOP)
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # ---- event-loop side ---------------------------------------------------------------------------
+
+    async def add(self, seq: Sequence, k_override: int | None = None) -> RequestStream:
+        """Queue a request; raises QueueFullError (queue bound) or ValueError (can never fit) from the engine."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        admitted: asyncio.Future[None] = loop.create_future()
+        stream = RequestStream(self, seq)
+        self._cmds.put(("add", seq, k_override, stream, loop, admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(seq.request_id)  # the client left before admission: drop it if it got in
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request before the engine's next step (thread-safe; unknown ids are ignored)."""
+        self._cmds.put(("abort", request_id))
+
+    # ---- engine thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                cmds = self._take_commands(block=not self.engine.has_work())
+            except Exception:  # pragma: no cover - queue errors are not expected
+                logger.exception("engine command queue failed")
+                continue
+            stop = False
+            for cmd in cmds:
+                if cmd is _STOP:
+                    stop = True
+                    break
+                self._handle(cmd)
+            if stop:
+                self._fail_all("the server is shutting down")
+                self._update_gauges()
+                return
+            if self.engine.has_work():
+                self._step()
+            self._update_gauges()
+
+    def _take_commands(self, block: bool) -> list[Any]:
+        cmds: list[Any] = []
+        if block:
+            try:
+                cmds.append(self._cmds.get(timeout=self.idle_poll_s))
+            except queue.Empty:
+                return cmds
+        while True:
+            try:
+                cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _handle(self, cmd: tuple[Any, ...]) -> None:
+        if cmd[0] == "add":
+            _, seq, k_override, stream, loop, admitted = cmd
+            try:
+                self.engine.add(seq, k_override)
+            except Exception as exc:  # QueueFullError / ValueError: the handler maps them to 429 / 400
+                self._call(loop, _resolve, admitted, exc)
+                return
+            self._live[seq.request_id] = _Live(stream, loop, time.perf_counter())
+            self.metrics.prompt_tokens.inc(seq.prompt_len)
+            self._call(loop, _resolve, admitted, None)
+        elif cmd[0] == "abort":
+            live = self._live.pop(cmd[1], None)
+            if live is None:
+                return  # finished already, or never admitted
+            try:
+                self.engine.abort(cmd[1])
+            except Exception:
+                logger.exception("abort of request %s failed", cmd[1])
+            self._account(live.stream.seq, live)
+            self.metrics.requests_finished.labels(finish_reason="abort").inc()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            touched = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing every request in flight")
+            self._fail_all(f"internal error in the engine step: {type(exc).__name__}: {exc}")
+            return
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        self.metrics.engine_steps.inc()
+        self._steps += 1
+        for seq in touched:
+            live = self._live.get(seq.request_id)
+            if live is None or live.seen_step == self._steps:
+                continue  # aborted, or listed twice (admitted and then stepped in the same step)
+            live.seen_step = self._steps
+            self._account(seq, live)
+            text = seq.take_stream_text()
+            if not (text or seq.finished):
+                continue
+            update = Update(text, seq.num_output, seq.prompt_len, seq.finished, seq.finish_reason)
+            if seq.finished:
+                del self._live[seq.request_id]
+                update.stats = seq.stats.to_dict()
+                self.metrics.requests_finished.labels(finish_reason=seq.finish_reason or "stop").inc()
+                self.metrics.request_latency.observe(time.perf_counter() - live.t_admit)
+            if not self._call(live.loop, live.stream._queue.put_nowait, update) and not seq.finished:
+                self._handle(("abort", seq.request_id))  # its event loop is gone: nobody will read it
+
+    def _account(self, seq: Sequence, live: _Live) -> None:
+        """Add the request's new tokens and speculative counters since the last look to the metrics."""
+        new = seq.num_output - live.last_output
+        if new > 0:
+            self.metrics.generation_tokens.inc(new)
+            live.last_output = seq.num_output
+            if not live.first_token_seen:
+                live.first_token_seen = True
+                self.metrics.time_to_first_token.observe(time.perf_counter() - live.t_admit)
+        self.metrics.observe_spec_delta(live.spec, seq.stats)
+        live.spec = snapshot(seq.stats)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, live in list(self._live.items()):
+            seq = live.stream.seq
+            self._call(live.loop, live.stream._queue.put_nowait,
+                       Update("", seq.num_output, seq.prompt_len, True, None, error=message))
+            self.metrics.requests_finished.labels(finish_reason="error").inc()
+            self.metrics.request_errors.labels(code="500").inc()
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                logger.exception("abort of request %s failed", rid)
+        self._live.clear()
+        # Whatever state the failed step left behind, start clean: no row or queue entry survives.
+        try:
+            self.engine.running.clear()
+            self.engine.waiting.clear()
+            self.engine.cache.reset()
+        except Exception:  # pragma: no cover
+            logger.exception("engine reset failed")
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.requests_running.set(len(self.engine.running))
+        m.requests_waiting.set(len(self.engine.waiting))
+        m.kv_cache_usage.set(self.engine.kv_usage)
+
+    @staticmethod
+    def _call(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> bool:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:  # the loop is closed
+            return False
+
+
+def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)

@@ -1,0 +1,224 @@
+"""Request and response models of the OpenAI-compatible API (OpenAI's field names).
+
+Numbers are strict (no "10" for 10, no true for 1; an integer is fine where a float is expected),
+NaN and infinities are refused, and ranges match ``SamplingParams``'s, so bad input fails
+validation (a 400) before any engine work. Unknown fields are ignored, as OpenAI-compatible
+servers usually do. Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids`` and ``speculative``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+# Bounds that keep a request's work and the server's memory reasonable; the context length and the
+# 1 MB body limit bound the rest.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 1024
+MAX_TOKENS_LIMIT = 1 << 20
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+Float = StrictFloat | StrictInt  # JSON 1 is a fine temperature
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class SpeculativeOptions(_Model):
+    """Per-request speculation: ``{"num_speculative_tokens": 0}`` turns it off for this request."""
+
+    num_speculative_tokens: Annotated[StrictInt, Field(ge=0, le=32)] | Literal["auto"] | None = Field(
+        None, description="Draft length k for this request (0 = no speculation; capped at the server's k), "
+                          "or \"auto\"/null for the server's policy.")
+
+
+class StreamOptions(_Model):
+    include_usage: StrictBool | None = False
+
+
+class _SamplingFields(_Model):
+    """Fields shared by completions and chat completions."""
+
+    model: StrictStr | None = Field(None, description="The served model name (see GET /v1/models).")
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = Field(
+        None, description="Default: the remaining context, capped at the server's --default-max-tokens (256).")
+    temperature: Annotated[Float, Field(ge=0.0, le=100.0)] | None = Field(None, description="Default 1; 0 = greedy.")
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=128)] | None = Field(None, description="Only 1 is supported.")
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(max_length=MAX_STOP_LEN)]],
+                                Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
+    user: StrictStr | None = None
+    # extensions (vLLM names)
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[Float, Field(gt=0.0, le=10.0)] | None = None
+    ignore_eos: StrictBool | None = False
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=256)] | None = None
+    speculative: SpeculativeOptions | None = None
+
+
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=1)] = Field(
+        ..., description="Text or token ids (one prompt per request; a list holding one prompt is accepted).")
+    echo: StrictBool | None = False
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    suffix: StrictStr | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | Annotated[list[TextPart], Field(max_length=1024)] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+
+# ---- responses ----------------------------------------------------------------------------------------
+
+
+class SpeculativeUsage(_Model):
+    """Per-request speculative-decoding stats (the ``usage.speculative`` extension)."""
+
+    steps: int = Field(description="Target forwards of this request (its prefill included).")
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    mean_accepted_length: float = Field(0.0, description="Output tokens per step (1.0 = no speculation gain).")
+    acceptance_rate: float = 0.0
+    acceptance_by_position: list[float] = Field(default_factory=list)
+
+    @classmethod
+    def from_stats(cls, stats: dict[str, Any] | None) -> SpeculativeUsage | None:
+        if stats is None:
+            return None
+        return cls(**{k: stats[k] for k in cls.model_fields if k in stats})
+
+
+class Usage(_Model):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculative: SpeculativeUsage | None = None
+
+
+class CompletionChoice(_Model):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(_Model):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionStreamResponse(_Model):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    speculative: SpeculativeUsage | None = None
+
+
+class ChatMessageOut(_Model):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Model):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(_Model):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(_Model):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Model):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionStreamResponse(_Model):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    speculative: SpeculativeUsage | None = None
+
+
+class ModelCard(_Model):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specdecode"
+    max_model_len: int | None = None
+
+
+class ModelList(_Model):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Model):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Model):
+    error: ErrorInfo
