@@ -14,13 +14,12 @@ Runs are advanced in lockstep so the draft and target computations are batched t
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import scipy.stats
 import torch
+from stat_helpers import chain_logits, chi_square_pvalue, markov_joint
 
 from specdecode.sampling import (
     SamplingParams,
@@ -37,12 +36,10 @@ PROMPT_TOKEN = 0
 NUM_EMITTED = 3  # length of the joint distribution we test
 NUM_RUNS = 20_000
 P_THRESHOLD = 1e-3
-MIN_EXPECTED = 5.0  # chi-square cells with fewer expected counts are merged
 
 
 def _chain_logits(seed: int, scale: float) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(VOCAB, VOCAB, generator=gen) * scale  # [V, V]: row = last token
+    return chain_logits(VOCAB, seed, scale)  # [V, V]: row = last token
 
 
 # Seed and scale picked so that top-k, top-p and min-p keep different numbers of tokens per context
@@ -86,20 +83,7 @@ def _single_thread() -> Iterator[None]:
 
 def exact_joint(params: SamplingParams) -> np.ndarray:
     """Exact probability of each sequence of NUM_EMITTED tokens under the processed target chain."""
-    joint = np.zeros((VOCAB,) * NUM_EMITTED, dtype=np.float64)
-    for seq in itertools.product(range(VOCAB), repeat=NUM_EMITTED):
-        prob = 1.0
-        counts = torch.zeros(VOCAB, dtype=torch.long)
-        last = PROMPT_TOKEN
-        for token in seq:
-            probs = logits_to_probs(TARGET_LOGITS[last], params, counts, PROMPT_MASK)  # [V]
-            prob *= float(probs[token])
-            if prob == 0.0:
-                break
-            counts[token] += 1
-            last = token
-        joint[seq] = prob
-    return joint / joint.sum()  # float32 rows sum to 1 only up to rounding
+    return markov_joint(TARGET_LOGITS, params, PROMPT_TOKEN, NUM_EMITTED)
 
 
 def simulate(
@@ -170,26 +154,6 @@ def simulate(
     hist = np.zeros((VOCAB,) * NUM_EMITTED, dtype=np.int64)
     np.add.at(hist, tuple(np.array([seq[:NUM_EMITTED] for seq in emitted]).T), 1)
     return hist, accepted_total, proposed_total
-
-
-def chi_square_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness of fit; cells with small expected counts are merged into one."""
-    observed, probs = observed.ravel().astype(np.float64), probs.ravel()
-    # A sample in a cell of exactly zero probability is an outright failure, not a statistic.
-    assert observed[probs == 0].sum() == 0, "sampled a sequence the target chain cannot produce"
-    expected = probs * observed.sum()
-    big = expected >= MIN_EXPECTED
-    obs_cells, exp_cells = list(observed[big]), list(expected[big])
-    small_obs, small_exp = observed[~big].sum(), expected[~big].sum()
-    if small_exp >= MIN_EXPECTED:
-        obs_cells.append(small_obs)
-        exp_cells.append(small_exp)
-    elif small_exp > 0:
-        # Too little mass for a cell of its own: fold it into the smallest big cell.
-        smallest = int(np.argmin(exp_cells))
-        obs_cells[smallest] += small_obs
-        exp_cells[smallest] += small_exp
-    return float(scipy.stats.chisquare(obs_cells, exp_cells).pvalue)
 
 
 @pytest.mark.parametrize(
