@@ -27,6 +27,11 @@ class SpeculativeConfig:
     """Upper bound on k when num_speculative_tokens is "auto"."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
+    draft_tree_width: int = 1
+    """Draft model only: nodes kept per tree level; 1 proposes a chain, > 1 a tree verified with tree
+    attention in one target pass (top-b expansion, best cumulative draft probability kept per level)."""
+    draft_tree_branching: int = 2
+    """Draft model tree: top-b candidates expanded per kept node."""
     quantization: str = "auto"
     """Draft weight format: "none", "int8", "int4", or "auto" (int4 for a bf16 draft on CPU, the
     fastest single-token path measured here; none otherwise)."""
@@ -41,6 +46,11 @@ class SpeculativeConfig:
             raise ValueError(f"max_speculative_tokens must be in [1, 32], got {self.max_speculative_tokens}")
         if self.method == "draft" and not self.model:
             raise ValueError('method "draft" needs "model": the draft model to run')
+        if not 1 <= self.draft_tree_width <= 16 or not 1 <= self.draft_tree_branching <= 8:
+            raise ValueError(
+                f"draft_tree_width must be in [1, 16] and draft_tree_branching in [1, 8], got "
+                f"{self.draft_tree_width} and {self.draft_tree_branching}"
+            )
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"draft quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

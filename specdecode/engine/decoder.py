@@ -11,10 +11,11 @@ import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
 from specdecode.engine.sequence import Sequence
-from specdecode.engine.step_verify import sample_rows, verify_draft
+from specdecode.engine.step_verify import sample_rows, verify_draft, verify_tree_draft
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
+from specdecode.tree import MAX_TREE_NODES, build_tree
 
 
 @dataclass
@@ -22,6 +23,8 @@ class StepResult:
     tokens: list[int]
     num_drafted: int
     num_accepted: int
+    depth: int
+    """Positions offered: k for a chain, the longest path for a tree."""
     draft_seconds: float
     verify_seconds: float
 
@@ -38,7 +41,7 @@ class SpeculativeDecoder:
         fixed_k: int | None = None,
     ) -> None:
         self.target = target
-        self.cache = target.new_cache(1, max_len)
+        self.cache = target.new_cache(1, max_len + MAX_TREE_NODES)  # headroom: a tree step's scratch slots
         self.max_len = max_len
         self.proposer = proposer
         self.k_max = k_max if proposer is not None else 0
@@ -76,11 +79,34 @@ class SpeculativeDecoder:
         draft = self.proposer.propose(seq.view(), k) if (self.proposer is not None and k > 0) else Draft()
         t1 = time.perf_counter()
         n = len(seq.token_ids)  # the cache holds n-1 tokens; the last one is pending
-        logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [k+1, V]
-        out, accepted = verify_draft(seq, logits, draft)
+        depth = len(draft)
+        if draft.is_tree:
+            out, accepted, depth = self._verify_tree_step(seq, draft, n)
+        else:
+            logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [k+1, V]
+            out, accepted = verify_draft(seq, logits, draft)
         # Kept: the pending token and the accepted drafts; the new token becomes pending.
         self.cache.set_length(0, n + accepted)
-        return StepResult(out, len(draft), accepted, t1 - t0, time.perf_counter() - t1)
+        return StepResult(out, len(draft), accepted, depth, t1 - t0, time.perf_counter() - t1)
+
+    def _verify_tree_step(self, seq: Sequence, draft: Draft, n: int) -> tuple[list[int], int, int]:
+        """One target forward over the whole tree with tree attention; the accepted path's K/V is then
+        compacted to follow the prefix."""
+        assert draft.parents is not None
+        buffers = build_tree([-1, *draft.parents])
+        tokens = torch.tensor([seq.token_ids[-1], *draft.tokens])  # [N]; node 0 = pending token
+        size = tokens.shape[0]
+        dev = self.target.device
+        slots = torch.arange(n - 1, n - 1 + size)  # one slot per node, after the prefix
+        mask = torch.zeros(size, n - 1 + size, dtype=torch.bool)
+        mask[:, : n - 1] = True  # every node sees the whole prefix ...
+        mask[:, n - 1 :] = buffers.attn_mask  # ... and its ancestors
+        hidden = self.target(tokens[None].to(dev), buffers.positions(n)[None].to(dev), self.cache,
+                             slots=slots[None].to(dev), attn_mask=mask[None].to(dev))
+        logits = self.target.compute_logits(hidden[0])  # [N, V]
+        out, nodes = verify_tree_draft(seq, logits, tokens, buffers)
+        self.cache.compact(0, [n - 1 + i for i in nodes], n)
+        return out, len(nodes), buffers.max_depth
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -120,9 +146,10 @@ class SpeculativeDecoder:
                 emitted += 1
                 if seq.finished:
                     break
-            seq.stats.observe(res.num_drafted, res.num_accepted, emitted, res.draft_seconds, res.verify_seconds)
+            seq.stats.observe(res.num_drafted, res.num_accepted, emitted, res.draft_seconds, res.verify_seconds,
+                              draft_depth=res.depth)
             if policy is not None:
-                policy.observe(res.num_drafted, res.num_accepted)
+                policy.observe(res.depth, res.num_accepted)
             if self.proposer is not None and not seq.finished:
                 self.proposer.on_verified(seq.view(), res.num_accepted)
             yield seq

@@ -103,7 +103,8 @@ class LLM:
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device)
             convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
             draft_model = self.draft.model
-            self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len)
+            width, branching = spec.draft_tree_width, spec.draft_tree_branching
+            self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len, width, branching)
         elif spec is not None:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
             self.proposer_factory = lambda: NgramProposer(lo, hi)

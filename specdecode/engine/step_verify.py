@@ -10,7 +10,8 @@ import torch
 from specdecode.engine.sequence import Sequence
 from specdecode.proposers.base import Draft
 from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
-from specdecode.verify import verify_chain, verify_greedy
+from specdecode.tree import TreeBuffers
+from specdecode.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
 
 
 def target_probs_for(seq: Sequence, logits: torch.Tensor, draft_tokens: list[int]) -> torch.Tensor:
@@ -44,3 +45,31 @@ def verify_draft(seq: Sequence, logits: torch.Tensor, draft: Draft) -> tuple[lis
         u = draw_uniforms(len(draft) + 1, seq.generator)
         out, accepted = verify_chain(draft_t, draft.probs, target_probs, u[:-1], float(u[-1]))
     return out.tolist(), accepted
+
+
+def tree_output_counts(base_counts: torch.Tensor, attn_mask: torch.Tensor, node_tokens: torch.Tensor) -> torch.Tensor:
+    """Output counts each tree node's distribution is conditioned on: base + the tokens on the path
+    from the root (excluded) to the node (included). attn_mask [n, n], node_tokens [n] -> [n, V]."""
+    onehot = torch.zeros(node_tokens.shape[0], base_counts.shape[-1], dtype=base_counts.dtype)
+    onehot[1:].scatter_(1, node_tokens[1:, None], 1)  # the root is the pending token: already counted
+    return base_counts + attn_mask.to(base_counts.dtype) @ onehot
+
+
+def verify_tree_draft(
+    seq: Sequence, logits: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffers
+) -> tuple[list[int], list[int]]:
+    """logits [n, V] over the tree (node 0 = pending token) -> (output tokens, accepted node indices)."""
+    params = seq.params
+    counts = None
+    if seq.output_counts is not None:
+        counts = tree_output_counts(seq.output_counts, buffers.attn_mask, tokens)
+    if params.greedy and not params.has_penalties:
+        nodes, out = verify_tree_greedy(tokens, buffers, logits.argmax(-1))
+    else:
+        target_probs = logits_to_probs(logits, params, counts, seq.prompt_mask).cpu()  # [n, V]
+        if params.greedy:
+            nodes, out = verify_tree_greedy(tokens, buffers, target_probs.argmax(-1))
+        else:
+            u = draw_uniforms(tokens.shape[0] + 1, seq.generator)
+            nodes, out = verify_tree(tokens, buffers, None, target_probs, u)
+    return out.tolist(), list(nodes)

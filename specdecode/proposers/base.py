@@ -30,6 +30,13 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None
     """[k, V] processed draft probabilities, or None for a point mass (n-gram, greedy draft)."""
+    parents: list[int] | None = None
+    """For a tree: parent of each draft token as a tree index (0 = the pending token, j+1 = tokens[j]);
+    None for a chain. Tree children are deterministic candidates (point masses)."""
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     def __len__(self) -> int:
         return len(self.tokens)

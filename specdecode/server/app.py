@@ -58,7 +58,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 503: "service_unavailable_error"}
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids"}
@@ -187,6 +187,14 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _check_text(text: str, param: str) -> None:
+    """Refuse strings that are not valid Unicode (JSON "\\ud800" escapes decode to lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param} is not valid Unicode (a lone surrogate escape)", param) from None
+
+
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content' (union tags dropped)."""
     out = ""
@@ -253,6 +261,8 @@ class _Server:
         kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         stop = body.stop
         kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        for s in kwargs["stop"]:
+            _check_text(s, "stop")
         kwargs["stop_token_ids"] = tuple(body.stop_token_ids or ())
         kwargs["ignore_eos"] = bool(body.ignore_eos)
         try:
@@ -293,8 +303,12 @@ class _Server:
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError(400, "prompt is empty", "prompt")
+            _check_text(prompt, "prompt")
             text = prompt
-            ids = await self._run_tokenizer(lambda: self.llm.tokenizer.encode(text))
+            try:
+                ids = await self._run_tokenizer(lambda: self.llm.tokenizer.encode(text))
+            except Exception as exc:
+                raise APIError(400, f"cannot tokenize the prompt: {exc}", "prompt") from None
         else:
             ids = list(prompt)
         if not ids:
@@ -307,6 +321,8 @@ class _Server:
         if body.logprobs or body.top_logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        for i, m in enumerate(messages):
+            _check_text(m["content"], f"messages[{i}].content")
 
         def encode() -> list[int]:
             return self.llm.chat_prompt_ids(messages)
@@ -510,6 +526,12 @@ def build_app(
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=server.model_name, created=server.created,
                                          max_model_len=llm.max_model_len)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
+    async def model_card(model_id: str) -> ModelCard:
+        if model_id not in server.accepted_names:
+            raise APIError(404, f"model {model_id!r} is not served here", "model", "model_not_found")
+        return ModelCard(id=server.model_name, created=server.created, max_model_len=llm.max_model_len)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Any:

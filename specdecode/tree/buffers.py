@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_TREE_NODES = 64
+"""Cache headroom reserved past max_len for one step's tree (and cap on a proposer's tree size)."""
+
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensor fields have no boolean ==
 class TreeBuffers:

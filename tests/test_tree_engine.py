@@ -1,0 +1,81 @@
+"""Draft-model trees through the engine: tree attention in one target pass, KV compaction, exactness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.engine.step_verify import tree_output_counts
+from specdecode.tree import build_tree
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+TREES = [(2, 2, 3), (4, 2, 4), (3, 3, 6)]  # (width, branching, depth)
+
+
+def _spec(draft: str, width: int, branching: int, depth: int) -> dict:
+    return {"method": "draft", "model": draft, "num_speculative_tokens": depth, "draft_tree_width": width,
+            "draft_tree_branching": branching}
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    return [llm.tokenizer.encode("def add(a, b):"), llm.tokenizer.encode("The quick brown fox")]
+
+
+@pytest.fixture(scope="module")
+def plain_tiny(tiny_llama_dir: Path) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(str(tiny_llama_dir), dtype="fp32")
+    return llm, [o.token_ids for o in llm.generate(_prompts(llm), GREEDY)]
+
+
+@pytest.mark.parametrize(("width", "branching", "depth"), TREES)
+@pytest.mark.parametrize("drafter", ["same", "random"])
+def test_tree_greedy_equals_plain(plain_tiny, tiny_llama_dir: Path, tiny_llama_other_dir: Path, drafter: str,
+                                  width: int, branching: int, depth: int) -> None:
+    base, ref = plain_tiny
+    draft = tiny_llama_dir if drafter == "same" else tiny_llama_other_dir
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=_spec(str(draft), width, branching, depth))
+    outs = llm.generate(_prompts(base), GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    m = outs[0].metrics
+    if drafter == "same":
+        # The draft is the target: the first level's best candidate is always the target's argmax.
+        assert m["acceptance_by_position"][0] == 1.0
+        assert m["mean_accepted_length"] > 2.0
+    else:
+        assert m["accepted_tokens"] <= 0.15 * m["steps"] * depth
+    assert m["draft_tokens"] > m["steps"]  # trees propose more nodes than positions
+
+
+@pytest.mark.real
+def test_tree_greedy_equals_plain_smollm() -> None:
+    base = LLM("smollm2-135m-instruct", dtype="fp32")
+    prompts = [base.chat_prompt_ids([{"role": "user", "content": "Write a Python function that adds numbers."}])]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    ref = [o.token_ids for o in base.generate(prompts, params)]
+    llm = LLM("smollm2-135m-instruct", dtype="fp32", speculative_config=_spec("smollm2-135m-instruct", 3, 2, 4))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+
+
+def test_tree_sampling_respects_limits_and_is_seeded(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=_spec(str(tiny_llama_dir), 3, 2, 4))
+    params = SamplingParams(max_tokens=15, temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.2, seed=7)
+    a = llm.generate(_prompts(llm), params)
+    b = llm.generate(_prompts(llm), params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 15 for o in a)
+
+
+def test_tree_output_counts_follow_each_path() -> None:
+    # root(0) -> 1 -> 3, root -> 2; node tokens: root 9 (pending, already counted), 4, 5, 4
+    buffers = build_tree([-1, 0, 0, 1])
+    tokens = torch.tensor([9, 4, 5, 4])
+    base = torch.zeros(10, dtype=torch.long)
+    base[7] = 1
+    counts = tree_output_counts(base, buffers.attn_mask, tokens)  # [4, 10]
+    assert counts[0].tolist() == base.tolist()  # the root's distribution sees only the output so far
+    assert counts[1, 4] == 1 and counts[1, 5] == 0
+    assert counts[2, 5] == 1 and counts[2, 4] == 0
+    assert counts[3, 4] == 2 and counts[3, 7] == 1 and counts[3, 9] == 0
