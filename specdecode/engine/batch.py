@@ -181,17 +181,19 @@ class BatchEngine:
             wants.append(r.policy.next_k(allowed) if r.policy is not None else 0)
         if self.cost is None or not any(wants):
             return wants
+        # A k the user fixed (server-wide or per request) is honoured; only adaptive rows are capped.
+        adaptive = [r.policy is not None and r.policy.fixed_k is None for r in self.running]
         n = len(wants)
         best_cap, best_rate = 0, -1.0
         for cap in range(max(wants) + 1):
-            ks = [min(w, cap) for w in wants]
+            ks = [min(w, cap) if a else w for w, a in zip(wants, adaptive, strict=True)]
             tokens = sum(r.policy.tracker.expected_tokens(k) if r.policy else 1.0 for r, k in zip(self.running, ks,
                                                                                                    strict=True))
             seconds = self.cost.forward_seconds(n * (cap + 1)) + sum(ks) * self.cost.draft_step_seconds
             rate = tokens / seconds
             if rate > best_rate * (1 + 1e-9):
                 best_cap, best_rate = cap, rate
-        return [min(w, best_cap) for w in wants]
+        return [min(w, best_cap) if a else w for w, a in zip(wants, adaptive, strict=True)]
 
     def step(self) -> list[Sequence]:
         """Admit waiting requests, run one verify pass over all running ones; returns sequences with news."""

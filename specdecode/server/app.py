@@ -240,8 +240,8 @@ class _Server:
     async def _run_tokenizer(self, fn: Callable[[], list[int]]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn)
 
-    async def _sequence(self, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
-                        prompt_field: str, max_tokens: int | None) -> Sequence:
+    def _sequence(self, body: ChatCompletionRequest | CompletionRequest, ids: list[int], prompt_field: str,
+                  max_tokens: int | None) -> Sequence:
         if any(t >= self.vocab_size for t in ids):
             raise APIError(400, f"token ids must be < the vocabulary size {self.vocab_size}", prompt_field)
         room = self.llm.max_model_len - len(ids)
@@ -313,7 +313,7 @@ class _Server:
             ids = list(prompt)
         if not ids:
             raise APIError(400, "prompt is empty", "prompt")
-        seq = await self._sequence(body, ids, "prompt", body.max_tokens)
+        seq = self._sequence(body, ids, "prompt", body.max_tokens)
         return await self._submit(body, seq)
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> RequestStream:
@@ -332,7 +332,7 @@ class _Server:
         except Exception as exc:  # the model's template may reject a conversation (roles, order)
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        seq = await self._sequence(body, ids, "messages", max_tokens)
+        seq = self._sequence(body, ids, "messages", max_tokens)
         return await self._submit(body, seq)
 
     # ---- responses ----------------------------------------------------------------------------------
@@ -387,6 +387,7 @@ class _Server:
             yield chunk({"role": "assistant", "content": ""})
             async for update in stream:
                 if update.error is not None:
+                    self.metrics.request_errors.labels(code="500").inc()
                     yield _sse(error_body(500, update.error, None, "engine_error"))
                     break
                 if update.text:
@@ -413,6 +414,7 @@ class _Server:
         async def events() -> AsyncIterator[str]:
             async for update in stream:
                 if update.error is not None:
+                    self.metrics.request_errors.labels(code="500").inc()
                     yield _sse(error_body(500, update.error, None, "engine_error"))
                     break
                 if update.finished:

@@ -249,7 +249,6 @@ class AsyncEngine:
             self._call(live.loop, live.stream._queue.put_nowait,
                        Update("", seq.num_output, seq.prompt_len, True, None, error=message))
             self.metrics.requests_finished.labels(finish_reason="error").inc()
-            self.metrics.request_errors.labels(code="500").inc()
             try:
                 self.engine.abort(rid)
             except Exception:
