@@ -67,7 +67,7 @@ def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.dev
         raise CorruptModelError(f"weights do not match the architecture: missing {missing}, unexpected {unexpected}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(device).eval()
+    return model.fuse_projections().to(device).eval()
 
 
 def _read_safetensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
