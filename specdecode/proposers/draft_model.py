@@ -32,10 +32,11 @@ class DraftModelProposer:
         self._cost = 0.0
 
     def begin(self, seq: SequenceView) -> None:
+        # Nothing is fed yet: the first `propose` catches the cache up on the prompt (and anything
+        # generated meanwhile) in one forward. A request that never drafts (k = 0 under load, or a
+        # useless drafter) never pays for the draft's prefill.
         self.cache.reset()
         self.num_cached = 0
-        # Prefill all but the last prompt token; `propose` always feeds the pending tail.
-        self._feed(seq.token_ids[: seq.prompt_len - 1])
 
     def _feed(self, ids: list[int]) -> torch.Tensor | None:
         """Append ids to our cache; returns fp32 logits of the last one [V]."""
