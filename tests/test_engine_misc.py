@@ -393,3 +393,17 @@ def test_request_timing_excludes_the_wait_for_earlier_prompts(plain: LLM, monkey
     outs = plain.generate([PROMPT, PROMPT, PROMPT], SamplingParams(max_tokens=4, temperature=0.0))
     for o in outs:
         assert o.metrics["seconds"] < 0.5, o.metrics
+
+
+def test_batch_engine_refuses_rows_that_do_not_fit(tiny_llama_dir, monkeypatch) -> None:
+    from specdecode import LLM
+    from specdecode.engine import validation
+    from specdecode.engine.validation import InsufficientMemoryError
+
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", max_model_len=256)
+    # Each row of the tiny model's cache is 256+64 slots x 2 KB; pretend only 1 MB is free.
+    monkeypatch.setattr(validation, "available_bytes", lambda device: 1 << 20)
+    with pytest.raises(InsufficientMemoryError, match="target KV cache"):
+        llm.batch_engine(max_num_seqs=64)
+    monkeypatch.setattr(validation, "available_bytes", lambda device: 1 << 34)
+    assert llm.batch_engine(max_num_seqs=2).max_num_seqs == 2

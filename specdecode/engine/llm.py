@@ -32,6 +32,7 @@ from specdecode.proposers.base import Proposer
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.ngram import NgramProposer
 from specdecode.sampling import SamplingParams
+from specdecode.tree import MAX_TREE_NODES
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -119,6 +120,14 @@ class LLM:
         """A continuous-batching engine over the same weights (for serving); measures its cost at start-up."""
         k_max = self.spec.k_max if self.spec is not None else 0
         fixed = None if (self.spec is None or self.spec.adaptive) else int(self.spec.num_speculative_tokens)
+        # Every row's KV cache is allocated up front: refuse now rather than run out of memory under load.
+        width = self.dtype.itemsize
+        slots = self.max_model_len + MAX_TREE_NODES
+        parts = [("target KV cache", self.target.config.kv_bytes_per_token(width) * slots * max_num_seqs)]
+        if self.draft is not None:
+            draft_width = self.draft.model.dtype.itemsize
+            parts.append(("draft KV caches", self.draft.config.kv_bytes_per_token(draft_width) * slots * max_num_seqs))
+        check_memory(parts, self.device)
         engine = BatchEngine(self.target.model, self.max_model_len, max_num_seqs, max_waiting,
                              self.proposer_factory, k_max, fixed)
         engine.measure_cost()
