@@ -15,14 +15,6 @@ from specdecode.model.load import LoadedModel, load_model
 TOL = 1e-4  # fp32 summation-order noise is up to ~2e-5 (logits O(5)); a wrong or stale K/V entry gives O(0.1)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # 2 shared cores: 2 OpenMP threads stall whenever another process holds a core.
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def lm(request: pytest.FixtureRequest) -> LoadedModel:

@@ -23,13 +23,6 @@ SMOLLM = "smollm2-135m-instruct"
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: see test_model_parity.py
-    yield
-    torch.set_num_threads(prev)
-
 
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

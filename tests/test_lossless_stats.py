@@ -14,7 +14,6 @@ Runs are advanced in lockstep so the draft and target computations are batched t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -70,15 +69,6 @@ CASES = [(name, point_mass, 3) for name in CONFIGS for point_mass in (True, Fals
     ("all_filters", False, 1),
 ]
 
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    # The batched ops here are small; on a busy 2-core machine intra-op threads only add sync waits
-    # (measured 10x slower), so run single-threaded and restore the setting afterwards.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def exact_joint(params: SamplingParams) -> np.ndarray:

@@ -23,15 +23,6 @@ from specdecode.model.load import LoadedModel, load_model
 ATOL = 1e-4  # fp32, tiny models: measured differences are ~1e-6 or exactly 0
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The CI machine has 2 shared cores: with 2 OpenMP threads a descheduled worker stalls every
-    # parallel op (measured ~14 ms per SDPA call under load vs 20 us with 1 thread).
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 @pytest.fixture(scope="module")
 def tied_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

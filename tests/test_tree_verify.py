@@ -6,8 +6,6 @@ Golden probabilities are binary fractions so every comparison is exact in float3
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -321,14 +319,6 @@ STAT_CASES = [
     ("penalties", False),
 ]
 
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    # Small batched ops: intra-op threads only add sync waits on the busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _grow_tree(
