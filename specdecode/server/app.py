@@ -374,56 +374,55 @@ class _Server:
             stream.close()
 
     def chat_events(self, stream: RequestStream, rid: str, include_usage: bool) -> AsyncIterator[str]:
-        created = int(time.time())
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-
-        def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
-            obj = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-            if include_usage:
-                obj["usage"] = None
-            return _sse({**obj, **extra})
-
-        async def events() -> AsyncIterator[str]:
-            yield chunk({"role": "assistant", "content": ""})
-            async for update in stream:
-                if update.error is not None:
-                    self.metrics.request_errors.labels(code="500").inc()
-                    yield _sse(error_body(500, update.error, None, "engine_error"))
-                    break
-                if update.text:
-                    yield chunk({"content": update.text})
-                if update.finished:
-                    spec = SpeculativeUsage.from_stats(update.stats)
-                    yield chunk({}, update.finish_reason, speculative=spec.model_dump() if spec else None)
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": self.usage(stream, update)})
-            yield "data: [DONE]\n\n"
-
-        return events()
+        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
+        # Chat streams open with the role, send text as deltas, and finish with an empty delta.
+        return self._events(stream, base, include_usage, lambda text: {"delta": {} if text is None else
+                                                                       {"content": text}},
+                            opening={"delta": {"role": "assistant", "content": ""}}, final_carries_text=False)
 
     def completion_events(self, stream: RequestStream, rid: str, include_usage: bool) -> AsyncIterator[str]:
-        created = int(time.time())
-        base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        # Completion streams carry the last piece of text in the chunk that finishes.
+        return self._events(stream, base, include_usage, lambda text: {"text": text or ""},
+                            opening=None, final_carries_text=True)
 
-        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
-            obj = {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    def _events(
+        self,
+        stream: RequestStream,
+        base: dict[str, Any],
+        include_usage: bool,
+        payload: Callable[[str | None], dict[str, Any]],
+        opening: dict[str, Any] | None,
+        final_carries_text: bool,
+    ) -> AsyncIterator[str]:
+        """SSE events of one streamed request, shared by chat and completions (they differ only in how a
+        choice holds text)."""
+
+        def chunk(fields: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+            obj = {**base, "choices": [{"index": 0, **fields, "logprobs": None, "finish_reason": finish}]}
             if include_usage:
                 obj["usage"] = None
             return _sse({**obj, **extra})
 
         async def events() -> AsyncIterator[str]:
+            if opening is not None:
+                yield chunk(opening)
             async for update in stream:
                 if update.error is not None:
                     self.metrics.request_errors.labels(code="500").inc()
                     yield _sse(error_body(500, update.error, None, "engine_error"))
                     break
                 if update.finished:
+                    if update.text and not final_carries_text:
+                        yield chunk(payload(update.text))
                     spec = SpeculativeUsage.from_stats(update.stats)
-                    yield chunk(update.text, update.finish_reason, speculative=spec.model_dump() if spec else None)
+                    final_text = update.text if final_carries_text else None
+                    yield chunk(payload(final_text), update.finish_reason,
+                                speculative=spec.model_dump() if spec else None)
                     if include_usage:
                         yield _sse({**base, "choices": [], "usage": self.usage(stream, update)})
                 elif update.text:
-                    yield chunk(update.text)
+                    yield chunk(payload(update.text))
             yield "data: [DONE]\n\n"
 
         return events()
