@@ -204,7 +204,7 @@ def _generate_ours(llm: Any, ids: list[int], params: Any) -> tuple[Any, list[int
     per-position fractions only); if that internal path is missing, the counts are None.
     """
     metrics_counts = None
-    new_seq = getattr(llm, "_new_sequence", None)
+    new_seq = getattr(llm, "new_sequence", None)
     decoder = getattr(llm, "decoder", None)
     if new_seq is not None and decoder is not None:
         seq = decoder.generate(new_seq(ids, params))

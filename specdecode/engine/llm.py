@@ -135,11 +135,6 @@ class LLM:
 
     def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         """Validate and tokenize one request (raises ValueError on bad input)."""
-        return self._new_sequence(prompt, params)
-
-    # ---- requests ---------------------------------------------------------------------------------
-
-    def _new_sequence(self, prompt: Prompt, params: SamplingParams, text: str | None = None) -> Sequence:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt: give at least one token")
@@ -150,7 +145,7 @@ class LLM:
             )
         return Sequence(
             str(next(self._ids)), ids, params, self.tokenizer, self.target.config.vocab_size, self.device,
-            self.seed, prompt=text if text is not None else (prompt if isinstance(prompt, str) else None),
+            self.seed, prompt=prompt if isinstance(prompt, str) else None,
         )
 
     def generate(
@@ -160,7 +155,7 @@ class LLM:
         params = sampling_params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        seqs = [self._new_sequence(p, params) for p in prompts]  # validate all before any compute
+        seqs = [self.new_sequence(p, params) for p in prompts]  # validate all before any compute
         return [self.decoder.generate(s).to_output() for s in seqs]
 
     def chat_prompt_ids(self, messages: Messages) -> list[int]:
@@ -179,7 +174,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[tuple[str, Sequence]]:
         """Yield (new text, sequence) after every step; the text never contains part of a stop string."""
-        seq = self._new_sequence(prompt, sampling_params or SamplingParams())
+        seq = self.new_sequence(prompt, sampling_params or SamplingParams())
         for s in self.decoder.iterate(seq):
             delta = s.take_stream_text()
             if delta or s.finished:
