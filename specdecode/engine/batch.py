@@ -18,7 +18,7 @@ import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
 from specdecode.engine.sequence import Sequence
-from specdecode.engine.step_verify import sample_rows, verify_draft
+from specdecode.engine.step_verify import start_sequence, verify_draft
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
@@ -147,19 +147,13 @@ class BatchEngine:
 
     def _prefill(self, seq: Sequence, row: int, proposer: Proposer | None) -> None:
         t0 = time.perf_counter()
-        seq.start_time = t0
         view = self.cache.rows(row, row + 1)
         dev = self.target.device
         ids = torch.tensor([seq.token_ids], device=dev)
         pos = torch.arange(len(seq.token_ids), device=dev).unsqueeze(0)
         logits = self.target.compute_logits(self.target(ids, pos, view)[0, -1:])
         self.cache.set_length(row, seq.prompt_len)
-        first = sample_rows(seq, logits, [])[0]
-        if proposer is not None:
-            proposer.begin(seq.view())
-        seq.prefill_seconds = time.perf_counter() - t0
-        seq.stats.observe(0, 0, 1, 0.0, seq.prefill_seconds)
-        seq.append(first)
+        start_sequence(seq, logits, proposer, t0)
 
     def _release(self, row: int) -> None:
         last = len(self.running) - 1

@@ -11,7 +11,7 @@ import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
 from specdecode.engine.sequence import Sequence
-from specdecode.engine.step_verify import sample_rows, verify_draft, verify_tree_draft
+from specdecode.engine.step_verify import start_sequence, verify_draft, verify_tree_draft
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
@@ -61,17 +61,11 @@ class SpeculativeDecoder:
 
     def prefill(self, seq: Sequence) -> None:
         """Process the prompt, emit the first token, start the proposer."""
-        t0 = time.perf_counter()
-        seq.start_time = t0  # timing starts here, not when generate() validated the whole batch
+        t0 = time.perf_counter()  # timing starts here, not when generate() validated the whole batch
         self.cache.reset()
         logits = self._forward(seq.token_ids, 0, last_only=True)  # [1, V]
         self.cache.set_length(0, seq.prompt_len)
-        first = sample_rows(seq, logits, [])[0]
-        if self.proposer is not None:
-            self.proposer.begin(seq.view())
-        seq.prefill_seconds = time.perf_counter() - t0
-        seq.stats.observe(0, 0, 1, 0.0, seq.prefill_seconds)
-        seq.append(first)
+        start_sequence(seq, logits, self.proposer, t0)
 
     def step(self, seq: Sequence, k: int) -> StepResult:
         """Propose k tokens, verify them in one target forward, roll the cache back to what was kept."""

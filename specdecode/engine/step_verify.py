@@ -5,10 +5,12 @@ Shared by the single-sequence decoder and the batch engine, so both verify ident
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdecode.engine.sequence import Sequence
-from specdecode.proposers.base import Draft
+from specdecode.proposers.base import Draft, Proposer
 from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
 from specdecode.tree import TreeBuffers
 from specdecode.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
@@ -32,6 +34,21 @@ def sample_rows(seq: Sequence, logits: torch.Tensor, draft_tokens: list[int]) ->
     if params.greedy:
         return probs.argmax(-1).tolist()
     return sample_from_probs(probs, draw_uniforms(probs.shape[0], seq.generator)).tolist()
+
+
+def start_sequence(seq: Sequence, last_logits: torch.Tensor, proposer: Proposer | None, started: float) -> None:
+    """After the prompt's forward: emit the first token, start the proposer, record the prefill.
+
+    last_logits [1, V] are the target's logits at the last prompt position; `started` is when the
+    prefill began (perf_counter), which is also when the request's own timing starts.
+    """
+    first = sample_rows(seq, last_logits, [])[0]
+    if proposer is not None:
+        proposer.begin(seq.view())
+    seq.start_time = started
+    seq.prefill_seconds = time.perf_counter() - started
+    seq.stats.observe(0, 0, 1, 0.0, seq.prefill_seconds)
+    seq.append(first)
 
 
 def verify_draft(seq: Sequence, logits: torch.Tensor, draft: Draft) -> tuple[list[int], int]:
