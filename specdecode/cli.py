@@ -1,12 +1,14 @@
-"""Command line: `specdecode fetch|generate|bench ...`."""
+"""Command line: `specdecode fetch|generate|bench|serve|train-head ...`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
+from specdecode.config import METHODS
 from specdecode.fetch import KNOWN_MODELS, FetchError
 
 
@@ -20,7 +22,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "draft", "model": "qwen2.5-coder-0.5b-instruct", '
                         '"num_speculative_tokens": "auto"}\'')
     p.add_argument("--draft", default=None, help="shorthand for a draft-model speculative config")
-    p.add_argument("--method", default=None, choices=["ngram", "draft"], help="shorthand for the method")
+    p.add_argument("--method", default=None, choices=list(METHODS), help="shorthand for the method")
+    p.add_argument("--head", default=None, help='shorthand for an "eagle"/"medusa" config with this head directory')
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="target weight format: none keeps the model exact (default); int8/int4 change the model "
+                        "(speculation stays lossless relative to the quantized target)")
     p.add_argument("--num-speculative-tokens", default=None, help='k, or "auto" (default)')
 
 
@@ -36,6 +42,11 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
     if args.draft:
         cfg.setdefault("method", "draft")
         cfg["model"] = args.draft
+    if getattr(args, "head", None):
+        from specdecode.heads.persist import read_head_config
+
+        cfg.setdefault("method", read_head_config(Path(args.head).expanduser()).kind)
+        cfg["model"] = args.head
     if args.method:
         cfg["method"] = args.method
     if args.num_speculative_tokens is not None:
@@ -74,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     from specdecode.server.cli import add_serve_parser
     add_serve_parser(sub)
+    from specdecode.heads.cli import add_train_head_parser
+
+    add_train_head_parser(sub)
     return parser
 
 
@@ -86,7 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              speculative_config=speculative_config_from_args(args))
+              speculative_config=speculative_config_from_args(args), quantization=args.quantization)
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])

@@ -7,18 +7,22 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Method = Literal["ngram", "draft"]
-METHODS: tuple[str, ...] = ("ngram", "draft")
+Method = Literal["ngram", "draft", "eagle", "medusa"]
+METHODS: tuple[str, ...] = ("ngram", "draft", "eagle", "medusa")
+NEEDS_MODEL = {"draft": "the draft model to run", "eagle": "the EAGLE head directory",
+               "medusa": "the Medusa heads directory"}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: Method
-    """Which proposer drafts tokens: "ngram" (prompt lookup) or "draft" (a small model)."""
+    """Which proposer drafts tokens: "ngram" (prompt lookup), "draft" (a small model), "eagle" (a head
+    on the target's hidden states, drafting a dynamic tree) or "medusa" (K heads, a tree of their top tokens)."""
     num_speculative_tokens: int | Literal["auto"] = "auto"
     """Draft length k; "auto" picks k each step from live acceptance and measured cost."""
     model: str | None = None
-    """Draft model (alias, .gguf file or HF directory); required for method "draft"."""
+    """Draft model (alias, .gguf file or HF directory) for "draft"; the head directory (from
+    `specdecode train-head`) for "eagle" and "medusa"."""
     prompt_lookup_min: int = 2
     """Shortest suffix n-gram the n-gram proposer matches."""
     prompt_lookup_max: int = 5
@@ -27,11 +31,13 @@ class SpeculativeConfig:
     """Upper bound on k when num_speculative_tokens is "auto"."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
-    draft_tree_width: int = 1
-    """Draft model only: nodes kept per tree level; 1 proposes a chain, > 1 a tree verified with tree
-    attention in one target pass (top-b expansion, best cumulative draft probability kept per level)."""
+    draft_tree_width: int | None = None
+    """Nodes kept per tree level; 1 proposes a chain, > 1 a tree verified with tree attention in one
+    target pass (top-b expansion, best cumulative draft probability kept per level). None = the method's
+    default: a chain for "draft"; for "eagle"/"medusa" a dynamic width, node budget / depth, where the
+    node budget is the largest target forward the measured cost model finds nearly as cheap as one token."""
     draft_tree_branching: int = 2
-    """Draft model tree: top-b candidates expanded per kept node."""
+    """Tree proposers: top-b candidates expanded per kept node."""
     quantization: str = "auto"
     """Draft weight format: "none", "int8", "int4", or "auto" (int4 for a bf16 draft on CPU, the
     fastest single-token path measured here; none otherwise)."""
@@ -44,11 +50,12 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be 'auto' or an integer in [0, 32], got {k!r}")
         if not 1 <= self.max_speculative_tokens <= 32:
             raise ValueError(f"max_speculative_tokens must be in [1, 32], got {self.max_speculative_tokens}")
-        if self.method == "draft" and not self.model:
-            raise ValueError('method "draft" needs "model": the draft model to run')
-        if not 1 <= self.draft_tree_width <= 16 or not 1 <= self.draft_tree_branching <= 8:
+        if self.method in NEEDS_MODEL and not self.model:
+            raise ValueError(f'method "{self.method}" needs "model": {NEEDS_MODEL[self.method]}')
+        width = self.draft_tree_width
+        if (width is not None and not 1 <= width <= 16) or not 1 <= self.draft_tree_branching <= 8:
             raise ValueError(
-                f"draft_tree_width must be in [1, 16] and draft_tree_branching in [1, 8], got "
+                f"draft_tree_width must be null or in [1, 16] and draft_tree_branching in [1, 8], got "
                 f"{self.draft_tree_width} and {self.draft_tree_branching}"
             )
         if self.quantization not in ("auto", "none", "int8", "int4"):
@@ -63,6 +70,13 @@ class SpeculativeConfig:
     def k_max(self) -> int:
         k = self.num_speculative_tokens
         return self.max_speculative_tokens if k == "auto" else int(k)
+
+    @property
+    def tree_width(self) -> int:
+        """Configured nodes per level; 0 = dynamic (from the node budget)."""
+        if self.draft_tree_width is not None:
+            return self.draft_tree_width
+        return 1 if self.method == "draft" else 0
 
     @property
     def adaptive(self) -> bool:

@@ -22,6 +22,8 @@ class CostModel:
     """Seconds per drafted token (one draft-model step); 0 for n-gram."""
     draft_overhead_seconds: float = 0.0
     """Fixed seconds of a step with k > 0 (the draft's catch-up forward over accepted tokens)."""
+    tree_nodes: tuple[int, ...] = ()
+    """Tree proposers: [k-1] = draft nodes verified at depth k; empty for a chain (k nodes)."""
 
     def __post_init__(self) -> None:
         if not self.target_seconds:
@@ -41,6 +43,7 @@ class CostModel:
         max_tokens: int,
         draft_step_seconds: float = 0.0,
         draft_overhead_seconds: float = 0.0,
+        tree_nodes: tuple[int, ...] = (),
     ) -> CostModel:
         """Build the table for t = 1..max_tokens from a few measured forwards ({t: seconds}).
 
@@ -53,7 +56,7 @@ class CostModel:
         table = []
         for t in range(1, max_tokens + 1):
             table.append(_piecewise_linear(ts, [points[x] for x in ts], t))
-        return cls(tuple(table), draft_step_seconds, draft_overhead_seconds)
+        return cls(tuple(table), draft_step_seconds, draft_overhead_seconds, tree_nodes)
 
     def target_forward_seconds(self, t: int) -> float:
         """Seconds of a target forward over t >= 1 new tokens.
@@ -73,7 +76,8 @@ class CostModel:
         """Seconds of one step with draft length k: target over k+1 tokens plus k draft steps."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
-        seconds = self.target_forward_seconds(k + 1) + k * self.draft_step_seconds
+        nodes = self.tree_nodes[min(k, len(self.tree_nodes)) - 1] if (self.tree_nodes and k > 0) else k
+        seconds = self.target_forward_seconds(nodes + 1) + k * self.draft_step_seconds
         if k > 0:
             seconds += self.draft_overhead_seconds
         return seconds
@@ -91,6 +95,18 @@ def _piecewise_linear(xs: list[int], ys: list[float], x: int) -> float:
                 slope = max(0.0, slope)
             return y0 + slope * (x - x0)
     raise AssertionError("unreachable")
+
+
+TREE_COST_SLACK = 1.3
+"""A tree may hold as many nodes as a target forward verifies for at most this multiple of the cost of
+one token (the memory-bound plateau of a bf16 or int8 target)."""
+
+
+def tree_node_budget(cost: CostModel, k_max: int) -> int:
+    """Draft nodes per step that verification affords almost for free; at least k_max (a full chain)."""
+    limit = TREE_COST_SLACK * cost.target_forward_seconds(1)
+    fits = [t - 1 for t in range(1, len(cost.target_seconds) + 1) if cost.target_forward_seconds(t) <= limit]
+    return max([k_max, *fits])
 
 
 class AcceptanceTracker:

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.engine.adaptive import AdaptiveK, CostModel
+from specdecode.engine.adaptive import AdaptiveK, CostModel, tree_node_budget
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_verify import start_sequence, verify_draft, verify_tree_draft
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
+from specdecode.proposers.tree_growth import level_width
 from specdecode.tree import MAX_TREE_NODES, build_tree
 
 
@@ -50,22 +51,29 @@ class SpeculativeDecoder:
 
     # ---- one target forward over [pending token] + draft ------------------------------------
 
-    def _forward(self, tokens: list[int], start: int, last_only: bool = False) -> torch.Tensor:
-        """Run the target over tokens at positions start..; fp32 logits [T, V] ([1, V] if last_only)."""
+    def _forward(self, tokens: list[int], start: int, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the target over tokens at positions start..: hidden [T, D] and fp32 logits [T, V]
+        ([1, V] if last_only)."""
         dev = self.target.device
         ids = torch.tensor([tokens], device=dev)
         pos = torch.arange(start, start + len(tokens), device=dev).unsqueeze(0)
         hidden = self.target(ids, pos, self.cache)[0]
         # A prompt needs only its last position's logits: the output matrix is the largest one.
-        return self.target.compute_logits(hidden[-1:] if last_only else hidden)
+        return hidden, self.target.compute_logits(hidden[-1:] if last_only else hidden)
+
+    def _share_hidden(self, hidden: torch.Tensor) -> None:
+        """Give head proposers (EAGLE, Medusa) the target's features of the positions just kept [m, D]."""
+        if getattr(self.proposer, "wants_target_hidden", False):
+            self.proposer.observe_hidden(hidden)  # type: ignore[union-attr]
 
     def prefill(self, seq: Sequence) -> None:
         """Process the prompt, emit the first token, start the proposer."""
         t0 = time.perf_counter()  # timing starts here, not when generate() validated the whole batch
         self.cache.reset()
-        logits = self._forward(seq.token_ids, 0, last_only=True)  # [1, V]
+        hidden, logits = self._forward(seq.token_ids, 0, last_only=True)  # [P, D], [1, V]
         self.cache.set_length(0, seq.prompt_len)
         start_sequence(seq, logits, self.proposer, t0)
+        self._share_hidden(hidden)
 
     def step(self, seq: Sequence, k: int) -> StepResult:
         """Propose k tokens, verify them in one target forward, roll the cache back to what was kept."""
@@ -77,8 +85,9 @@ class SpeculativeDecoder:
         if draft.is_tree:
             out, accepted, depth = self._verify_tree_step(seq, draft, n)
         else:
-            logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [k+1, V]
+            hidden, logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [k+1, D], [k+1, V]
             out, accepted = verify_draft(seq, logits, draft)
+            self._share_hidden(hidden[: accepted + 1])
         # Kept: the pending token and the accepted drafts; the new token becomes pending.
         self.cache.set_length(0, n + accepted)
         return StepResult(out, len(draft), accepted, depth, t1 - t0, time.perf_counter() - t1)
@@ -100,6 +109,7 @@ class SpeculativeDecoder:
         logits = self.target.compute_logits(hidden[0])  # [N, V]
         out, nodes = verify_tree_draft(seq, logits, tokens, buffers)
         self.cache.compact(0, [n - 1 + i for i in nodes], n)
+        self._share_hidden(hidden[0, [0, *nodes]])  # the root (pending token) and the accepted path
         return out, len(nodes), buffers.max_depth
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -151,10 +161,14 @@ class SpeculativeDecoder:
     # ---- cost model for adaptive k ---------------------------------------------------------------
 
     def measure_cost(self, context: int = 128, repeats: int = 3) -> CostModel:
-        """Time target forwards over t = 1..k_max+1 tokens and one draft step, at start-up."""
-        ts = sorted({1, 2, 3, 4, 6, 8, self.k_max + 1} & set(range(1, self.k_max + 2)))
+        """Time target forwards over t = 1..k_max+1 tokens (up to a full tree for tree proposers) and one
+        draft step, at start-up; a dynamic-width tree proposer gets its node budget from the result."""
+        tree = getattr(self.proposer, "tree_width", 1) != 1
+        top = MAX_TREE_NODES + 1 if tree else self.k_max + 1
+        wanted = {1, 2, 3, 4, 6, 8, self.k_max + 1} | ({12, 16, 24, 32, 48, top} if tree else set())
+        ts = sorted(t for t in wanted if t <= top)
         # A short max_len leaves less room: shrink the context, then drop the t that do not fit after it.
-        context = max(0, min(context, self.max_len - self.k_max - 2))
+        context = max(0, min(context, self.max_len - top - 1))
         ts = [t for t in ts if context + t <= self.max_len] or [1]
         if context:
             self._forward([1] * context, 0, last_only=True)  # warm-up and a realistic cache
@@ -168,5 +182,13 @@ class SpeculativeDecoder:
             points[t] = statistics.median(samples)
         self.cache.reset()
         draft_step = self.proposer.step_cost_hint() if self.proposer is not None else 0.0
-        self.cost = CostModel.from_points(points, self.k_max + 1, draft_step_seconds=draft_step)
+        cost = CostModel.from_points(points, max(ts), draft_step_seconds=draft_step)
+        nodes: tuple[int, ...] = ()
+        if tree:
+            proposer = self.proposer
+            proposer.node_budget = min(MAX_TREE_NODES, tree_node_budget(cost, self.k_max))  # type: ignore[union-attr]
+            width = proposer.tree_width  # type: ignore[union-attr]
+            nodes = tuple(min(MAX_TREE_NODES, level_width(width, proposer.node_budget, k) * k)  # type: ignore
+                          for k in range(1, self.k_max + 1))
+        self.cost = CostModel.from_points(points, max(ts), draft_step_seconds=draft_step, tree_nodes=nodes)
         return self.cost

@@ -19,6 +19,8 @@ from specdecode.engine.validation import (
     estimate_bytes,
 )
 from specdecode.fetch import resolve_model
+from specdecode.heads.modules import DraftHead, EagleHead, MedusaHeads
+from specdecode.heads.persist import load_head
 from specdecode.model.fast_linear import convert_linears, draft_linear_format, target_linear_format
 from specdecode.model.load import (
     LoadedModel,
@@ -30,6 +32,7 @@ from specdecode.model.load import (
 )
 from specdecode.proposers.base import Proposer
 from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.heads import EagleProposer, MedusaProposer
 from specdecode.proposers.ngram import NgramProposer
 from specdecode.sampling import SamplingParams
 from specdecode.tree import MAX_TREE_NODES
@@ -86,6 +89,11 @@ class LLM:
 
         self.target: LoadedModel = load_resolved(target_path, model, self.dtype, self.device)
         self.tokenizer = self.target.tokenizer
+        self.head: DraftHead | None = None
+        if spec is not None and spec.method in ("eagle", "medusa"):
+            # Before the target's linears are converted: the head copies the target's output rows.
+            self.head = load_head(str(spec.model), self.target.model, kind=spec.method)
+            convert_linears(self.head, draft_linear_format(spec.quantization, self.dtype, self.device))
         convert_linears(self.target.model, target_linear_format(quantization, self.dtype, self.device))
         self.draft: LoadedModel | None = None
         self.proposer_factory: Callable[[], Proposer] | None = None
@@ -104,8 +112,14 @@ class LLM:
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device)
             convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
             draft_model = self.draft.model
-            width, branching = spec.draft_tree_width, spec.draft_tree_branching
+            width, branching = spec.tree_width, spec.draft_tree_branching
             self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len, width, branching)
+        elif isinstance(self.head, EagleHead):
+            head, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
+            self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching)
+        elif isinstance(self.head, MedusaHeads):
+            medusa, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
+            self.proposer_factory = lambda: MedusaProposer(medusa, width, branching)
         elif spec is not None:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
             self.proposer_factory = lambda: NgramProposer(lo, hi)

@@ -46,6 +46,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def attention_inputs(
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin tables [S, hd]
+    dtype: torch.dtype,
+    positions: torch.Tensor,  # [B, T]
+    cache_len: int,
+    slots: torch.Tensor | None,  # [B, T] or None = positions
+    attn_mask: torch.Tensor | None,  # [B, T, S] or None = causal over slots
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None, torch.Tensor]:
+    """Rope cos/sin at the positions [B, 1, T, hd], the attended cache length, the [B, 1, T, S] mask
+    (None when one query sees everything) and the slots. Shared by the target and the draft heads."""
+    if slots is None:
+        slots = positions
+    b, t = positions.shape
+    if attn_mask is None:
+        kv_len = int(slots.max()) + 1
+        if b == 1 and t == 1:
+            mask = None  # one query sees every slot up to its own
+        else:
+            mask = torch.arange(kv_len, device=positions.device).view(1, 1, kv_len) <= slots.unsqueeze(-1)
+            mask = mask.unsqueeze(1)
+    else:
+        kv_len = attn_mask.shape[-1]
+        mask = attn_mask.unsqueeze(1)
+    if kv_len > cache_len:
+        raise ValueError(f"cache slot {kv_len - 1} beyond the cache size {cache_len}")
+    cos_t, sin_t = rope
+    cos = cos_t[positions].to(dtype).unsqueeze(1)
+    sin = sin_t[positions].to(dtype).unsqueeze(1)
+    return cos, sin, kv_len, mask, slots
+
+
 SMALL_ATTENTION_TOKENS = 16
 """Queries per row up to which attention uses `small_attention` (decode and verify steps)."""
 
@@ -106,7 +137,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, D]
         cos: torch.Tensor,  # [B, 1, T, hd]
         sin: torch.Tensor,
-        cache: KVCache,
+        cache: KVCache | None,
         slots: torch.Tensor,  # [B, T]
         kv_len: int,
         mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
@@ -117,8 +148,11 @@ class Attention(nn.Module):
         k = k.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
         v = v.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer_idx, slots, k, v)
-        keys, values = cache.read(self.layer_idx, kv_len)  # [B, kvh, S, hd]
+        if cache is None:  # training a head: whole sequences, no cache, keys are this call's own
+            keys, values = k, v
+        else:
+            cache.write(self.layer_idx, slots, k, v)
+            keys, values = cache.read(self.layer_idx, kv_len)  # [B, kvh, S, hd]
         if t <= SMALL_ATTENTION_TOKENS:
             out = small_attention(q, keys, values, mask)
         else:
@@ -221,25 +255,9 @@ class Transformer(nn.Module):
 
         Cache lengths are not changed here: the engine step owns them.
         """
-        if slots is None:
-            slots = positions
-        b, t = tokens.shape
-        if attn_mask is None:
-            kv_len = int(slots.max()) + 1
-            if b == 1 and t == 1:
-                mask = None  # one query sees every slot up to its own
-            else:
-                mask = torch.arange(kv_len, device=tokens.device).view(1, 1, kv_len) <= slots.unsqueeze(-1)
-                mask = mask.unsqueeze(1)
-        else:
-            kv_len = attn_mask.shape[-1]
-            mask = attn_mask.unsqueeze(1)
-        if kv_len > cache.max_len:
-            raise ValueError(f"cache slot {kv_len - 1} beyond the cache size {cache.max_len}")
-        cos_t, sin_t = self._rope_for(cache.max_len)
-        dt = self.dtype
-        cos = cos_t[positions].to(dt).unsqueeze(1)  # [B, 1, T, hd]
-        sin = sin_t[positions].to(dt).unsqueeze(1)
+        cos, sin, kv_len, mask, slots = attention_inputs(
+            self._rope_for(cache.max_len), self.dtype, positions, cache.max_len, slots, attn_mask
+        )
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, slots, kv_len, mask)

@@ -13,6 +13,7 @@ import torch
 
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, SequenceView
+from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, TreeLevel, grow_tree, level_width
 from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
 from specdecode.tree import MAX_TREE_NODES
 
@@ -23,7 +24,9 @@ class DraftModelProposer:
     def __init__(self, model: Transformer, max_len: int, tree_width: int = 1, tree_branching: int = 2) -> None:
         self.model = model
         self.tree_width = tree_width
-        """Nodes kept per tree level (1 = a chain)."""
+        """Nodes kept per tree level (1 = a chain, 0 = node_budget / depth)."""
+        self.node_budget = DEFAULT_NODE_BUDGET
+        """Tree nodes per step when the width is dynamic (set from the engine's cost model)."""
         self.tree_branching = tree_branching
         """Candidates (top-b draft tokens) expanded per kept node."""
         self.cache = model.new_cache(1, max_len + MAX_TREE_NODES)
@@ -54,7 +57,7 @@ class DraftModelProposer:
     def propose(self, seq: SequenceView, k: int) -> Draft:
         if k <= 0:
             return Draft()
-        if self.tree_width > 1:
+        if self.tree_width != 1:
             return self._propose_tree(seq, k)
         params = seq.params
         logits = self._feed(seq.token_ids[self.num_cached :])
@@ -107,48 +110,20 @@ class DraftModelProposer:
         return self._cost
 
     def _propose_tree(self, seq: SequenceView, depth: int) -> Draft:
-        """Grow a tree level by level: expand each kept node's top-b tokens, keep the `tree_width`
-        candidates of highest cumulative draft log-probability (EAGLE-2's rule), feed them through the
-        draft with tree attention. Children are deterministic and distinct: point masses to the verifier."""
+        """A tree grown by `grow_tree`, each level fed through the draft with tree attention. Children are
+        deterministic and distinct: point masses to the verifier."""
         logits = self._feed(seq.token_ids[self.num_cached :])
         assert logits is not None
         base = self.num_cached  # prefix in our cache; the pending (root) token is at slot base - 1
         dev = self.model.device
-        tokens: list[int] = []
-        parents: list[int] = []
-        ancestors: dict[int, list[int]] = {0: []}  # tree index -> tree indices of its path (root excluded)
-        depths = {0: 0}
-        frontier = [(0, 0.0, logits)]  # (tree index, cumulative log-prob, logits at that node)
-        for level in range(depth):
-            cands: list[tuple[float, int, int]] = []
-            for idx, score, lg in frontier:
-                top = torch.log_softmax(lg.float(), -1).topk(self.tree_branching)
-                cands += [(score + float(lp), idx, int(t)) for lp, t in zip(top.values, top.indices, strict=True)]
-            room = MAX_TREE_NODES - len(tokens)
-            cands = sorted(cands, key=lambda c: -c[0])[: min(self.tree_width, room)]
-            if not cands:
-                break
-            new = []
-            for score, parent, tok in cands:
-                tokens.append(tok)
-                parents.append(parent)
-                idx = len(tokens)
-                ancestors[idx] = [*ancestors[parent], idx]
-                depths[idx] = level + 1
-                new.append((idx, score))
-            if level + 1 == depth:
-                break
-            size = base + len(tokens)
-            mask = torch.zeros(len(new), size, dtype=torch.bool)
-            mask[:, :base] = True
-            for row, (idx, _) in enumerate(new):
-                mask[row, [base - 1 + a for a in ancestors[idx]]] = True
-            ids = torch.tensor([[tokens[idx - 1] for idx, _ in new]], device=dev)
-            pos = torch.tensor([[base - 1 + depths[idx] for idx, _ in new]], device=dev)
-            slots = torch.tensor([[base - 1 + idx for idx, _ in new]], device=dev)
-            hidden = self.model(ids, pos, self.cache, slots=slots, attn_mask=mask[None].to(dev))
-            node_logits = self.model.compute_logits(hidden[0])  # [m, V]
-            frontier = [(idx, score, node_logits[row]) for row, (idx, score) in enumerate(new)]
+
+        def expand(level: TreeLevel) -> torch.Tensor:
+            hidden = self.model(level.tokens[None].to(dev), level.positions[None].to(dev), self.cache,
+                                slots=level.slots[None].to(dev), attn_mask=level.mask[None].to(dev))
+            return self.model.compute_logits(hidden[0])  # [m, V]
+
+        width = level_width(self.tree_width, self.node_budget, depth)
+        draft = grow_tree(logits, depth, width, self.tree_branching, base, expand)
         # Tree entries past the prefix are scratch: the next propose re-feeds what was accepted.
         self.cache.set_length(0, base)
-        return Draft(tokens, None, parents)
+        return draft

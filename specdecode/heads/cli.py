@@ -1,0 +1,68 @@
+"""`specdecode train-head`: target features (stage 1, resumable) then head training (stage 2, resumable)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+DEFAULT_DATA_TOKENS = 163840
+
+
+def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-head", help="train an EAGLE head or Medusa heads for a target model")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (alias, .gguf or HF dir)")
+    p.add_argument("--kind", choices=["eagle", "medusa"], default="eagle")
+    p.add_argument("--out", required=True, type=Path, help="directory for the head (and its checkpoint)")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="where target features are stored (default: $SPECDECODE_HOME/head-data/<target>)")
+    p.add_argument("--data-tokens", type=int, default=DEFAULT_DATA_TOKENS,
+                   help="positions of target features to generate (default %(default)s, ~25 min on 2 cores)")
+    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--draft-vocab", type=int, default=32768, help="output rows of the head (most frequent ids)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="EAGLE MLP width (default 2 x hidden)")
+    p.add_argument("--num-heads", type=int, default=4, help="Medusa heads")
+    p.add_argument("--budget-minutes", type=float, default=None, help="stop training after this long (resumable)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.set_defaults(func=run_train_head)
+
+
+def default_data_dir(target: str) -> Path:
+    from specdecode.fetch import models_home
+
+    return models_home().parent / "head-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(target).name)
+
+
+def run_train_head(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdecode.heads.features import generate_features
+    from specdecode.heads.fingerprint import target_fingerprint
+    from specdecode.heads.train import TrainOptions, train_head
+    from specdecode.model.fast_linear import convert_linears, target_linear_format
+    from specdecode.model.load import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data_dir = args.data_dir or default_data_dir(args.target)
+    loaded = load_model(args.target, "bf16")
+    fingerprint = target_fingerprint(loaded.model)
+    tok = loaded.tokenizer
+    # Stage 1 runs the target in its fast format; stage 2 needs the plain output matrix, so it reloads.
+    convert_linears(loaded.model, target_linear_format("none", loaded.model.dtype, loaded.model.device))
+    shards = generate_features(loaded.model, tok, data_dir, args.data_tokens, fingerprint=fingerprint)
+    del loaded
+    target = load_model(args.target, "bf16").model
+    opts = TrainOptions(kind=args.kind, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab,
+                        intermediate_size=args.intermediate_size, num_medusa_heads=args.num_heads,
+                        budget_minutes=args.budget_minutes)
+    always = [i for i in (tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)]
+    always = [i for i in always if 0 <= i < target.config.vocab_size]
+    head = train_head(target, shards, args.out, opts, always,
+                      data_info={"dir": str(data_dir), "shards": len(shards), "target": args.target})
+    done = head.config.training
+    state = "finished" if done["steps"] >= done["total_steps"] else "stopped (rerun the command to resume)"
+    print(f"{args.kind} head {state} after {done['steps']}/{done['total_steps']} steps: {args.out}")
+    print(f'use it with --speculative-config \'{{"method": "{args.kind}", "model": "{args.out}"}}\'')
+    return 0

@@ -1,0 +1,223 @@
+"""Stage 2 of head training: fit an EAGLE head or Medusa heads to the stored target features.
+
+EAGLE (pair j = feature j + token j+1 -> feature j+1): smooth-L1 regression on the target's next
+feature plus 0.1 x cross-entropy against the target's greedy next token, with small uniform noise on
+the input features so the head tolerates its own imperfect predictions while drafting (as in EAGLE).
+Medusa (feature t -> token t+2+i for head i): cross-entropy against the target's greedy tokens.
+
+Checkpoints (weights, optimizer, step, RNG) are written every `checkpoint_every` steps and at the end;
+a rerun with the same output directory resumes from the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specdecode.heads.features import Shard, load_shard
+from specdecode.heads.modules import DraftHead, EagleHead, MedusaHeads
+from specdecode.heads.persist import new_head, save_head
+from specdecode.model.transformer import Transformer
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class TrainOptions:
+    kind: str = "eagle"
+    epochs: float = 4.0
+    window: int = 256
+    """Positions per training sequence (a window of one conversation)."""
+    batch_windows: int = 4
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    draft_vocab_size: int = 32768
+    intermediate_size: int | None = None
+    num_medusa_heads: int = 4
+    feature_noise: float = 0.1
+    """Uniform noise amplitude on input features, relative to their standard deviation."""
+    ce_weight: float = 0.1
+    budget_minutes: float | None = None
+    max_steps: int | None = None
+    """Stop (resumably) after this many steps in total."""
+    checkpoint_every: int = 50
+    seed: int = 0
+
+
+@dataclass
+class Corpus:
+    hidden: torch.Tensor  # [N, D] bf16
+    tokens: torch.Tensor  # [N]
+    target_next: torch.Tensor  # [N]
+    windows: list[tuple[int, int]]  # [start, end) ranges inside one conversation
+
+    @classmethod
+    def from_shards(cls, paths: list[Path], window: int) -> Corpus:
+        shards: list[Shard] = [load_shard(p) for p in paths]
+        hidden = torch.cat([s.hidden for s in shards])
+        tokens = torch.cat([s.tokens for s in shards])
+        target_next = torch.cat([s.target_next for s in shards])
+        windows, offset = [], 0
+        for s in shards:
+            for a, b in s.sequences():
+                for w in range(a, b - 2, window):
+                    windows.append((offset + w, offset + min(b, w + window + 1)))  # +1: the shifted target
+            offset += len(s.tokens)
+        return cls(hidden, tokens, target_next, windows)
+
+
+def choose_draft_vocab(target_next: torch.Tensor, vocab_size: int, size: int, always: list[int]) -> torch.Tensor:
+    """The `size` ids the target most often predicts (plus `always`, e.g. EOS), sorted: [Vd]."""
+    counts = torch.bincount(target_next, minlength=vocab_size).float()
+    counts[always] = float("inf")
+    size = min(size, vocab_size)
+    return counts.topk(size).indices.sort().values
+
+
+def _batch(corpus: Corpus, picks: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+    """Pad windows to one length: features, tokens, next features, labels, mask."""
+    length = max(b - a for a, b in picks) - 1
+    d = corpus.hidden.shape[1]
+    feats = torch.zeros(len(picks), length, d)
+    toks = torch.zeros(len(picks), length, dtype=torch.long)
+    nxt_feats = torch.zeros(len(picks), length, d)
+    labels = torch.zeros(len(picks), length, dtype=torch.long)
+    mask = torch.zeros(len(picks), length, dtype=torch.bool)
+    for row, (a, b) in enumerate(picks):
+        n = b - a - 1
+        feats[row, :n] = corpus.hidden[a : b - 1].float()
+        toks[row, :n] = corpus.tokens[a + 1 : b]
+        nxt_feats[row, :n] = corpus.hidden[a + 1 : b].float()
+        labels[row, :n] = corpus.target_next[a + 1 : b]
+        mask[row, :n] = True
+    return feats, toks, nxt_feats, labels, mask
+
+
+def _eagle_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
+                gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    feats, toks, nxt_feats, labels, mask = batch
+    scale = feats[mask].std()
+    noisy = feats + (torch.rand(feats.shape, generator=gen) - 0.5) * 2 * opts.feature_noise * scale
+    positions = torch.arange(feats.shape[1])[None].expand(feats.shape[0], -1)
+    pred = head(noisy, toks, positions)  # [B, T, D]
+    reg = F.smooth_l1_loss(pred[mask], nxt_feats[mask])
+    logits = head.draft_logits(pred[mask])  # [M, Vd]
+    target_cls = t2d[labels[mask]]  # -1 where the target's token is outside the draft vocabulary
+    ce = F.cross_entropy(logits, target_cls.clamp(min=0), reduction="none")
+    keep = target_cls >= 0
+    ce = (ce * keep).sum() / keep.sum().clamp(min=1)
+    acc = ((logits.argmax(-1) == target_cls) & keep).float().mean()
+    return reg + opts.ce_weight * ce, {"reg": reg.item(), "ce": ce.item(), "top1": acc.item()}
+
+
+def _medusa_loss(head: MedusaHeads, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
+                 gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    feats, _, _, labels, mask = batch  # labels[:, j] = target's token after position j + 1
+    total = torch.zeros(())
+    stats: dict[str, float] = {}
+    outs = head(feats)  # [K, B, T, D]
+    for i in range(outs.shape[0]):
+        # Head i on feature t guesses the target's token after position t + 1 + i = labels[:, t + i].
+        valid = mask[:, i:] & mask[:, : mask.shape[1] - i]
+        logits = head.draft_logits(outs[i][:, : mask.shape[1] - i][valid])
+        cls = t2d[labels[:, i:][valid]]
+        keep = cls >= 0
+        ce = (F.cross_entropy(logits, cls.clamp(min=0), reduction="none") * keep).sum() / keep.sum().clamp(min=1)
+        total = total + ce * (0.8**i)  # nearer heads matter more (their tokens are reached more often)
+        stats[f"top1_{i}"] = ((logits.argmax(-1) == cls) & keep).float().mean().item()
+    return total, stats
+
+
+def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
+
+
+def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts: TrainOptions,
+               always_ids: list[int], data_info: dict | None = None) -> DraftHead:
+    """Train (or resume training) a head on the stored features; saves the head in out_dir."""
+    torch.manual_seed(opts.seed)
+    corpus = Corpus.from_shards(shard_files, opts.window)
+    vocab = target.config.vocab_size
+    ckpt_path = out_dir / CHECKPOINT
+    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    d2t = ckpt["d2t"] if ckpt else choose_draft_vocab(corpus.target_next, vocab, opts.draft_vocab_size, always_ids)
+    head = new_head(target, opts.kind, d2t, opts.intermediate_size, opts.num_medusa_heads, opts.seed).float()
+    head.lm_head.weight.data = head.lm_head.weight.data.float()
+    t2d = torch.full((vocab,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith("lm_head")]
+    opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    steps_per_epoch = max(1, len(corpus.windows) // opts.batch_windows)
+    total_steps = max(1, int(opts.epochs * steps_per_epoch))
+    step = resumed_from = 0
+    rng = random.Random(opts.seed)
+    gen = torch.Generator().manual_seed(opts.seed)
+    if ckpt:
+        head.load_state_dict(ckpt["head"], strict=False)
+        opt.load_state_dict(ckpt["optimizer"])
+        step = resumed_from = ckpt["step"]
+        rng.setstate(ckpt["rng"])
+        gen.set_state(ckpt["gen"])
+
+    def lr_at(s: int) -> float:  # linear warm-up, cosine decay to 10%
+        if s < opts.warmup_steps:
+            return opts.lr * (s + 1) / opts.warmup_steps
+        frac = (s - opts.warmup_steps) / max(1, total_steps - opts.warmup_steps)
+        return opts.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    def save_checkpoint() -> None:
+        tmp = ckpt_path.with_suffix(".partial")
+        torch.save({"head": head.saved_state(), "optimizer": opt.state_dict(), "step": step, "d2t": d2t,
+                    "rng": rng.getstate(), "gen": gen.get_state()}, tmp)
+        tmp.rename(ckpt_path)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    loss_fn = _eagle_loss if opts.kind == "eagle" else _medusa_loss
+    started = time.monotonic()
+    order: list[tuple[int, int]] = []
+    bar = tqdm(total=total_steps, initial=step, desc=f"train {opts.kind} head", unit="step", disable=None)
+    last: dict[str, float] = {}
+    history: list[dict[str, float]] = []  # this run's per-step losses (the summary uses the first/last 20)
+    head.train()
+    while step < total_steps:
+        if opts.budget_minutes is not None and time.monotonic() - started > 60 * opts.budget_minutes:
+            break
+        if opts.max_steps is not None and step >= opts.max_steps:
+            break
+        if not order:  # a fresh shuffled pass; the RNG state is in the checkpoint
+            order = corpus.windows[:]
+            rng.shuffle(order)
+        picks, order = order[: opts.batch_windows], order[opts.batch_windows :]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=target.device.type == "cpu"):
+            loss, last = loss_fn(head, _batch(corpus, picks), t2d, opts, gen)  # type: ignore[arg-type]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        history.append({"loss": loss.item(), **last})
+        bar.update(1)
+        bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", **{k: f"{v:.3f}" for k, v in last.items()})
+        if step % opts.checkpoint_every == 0:
+            save_checkpoint()
+    bar.close()
+    save_checkpoint()
+    head.eval()
+    head.config.training = {
+        "steps": step, "total_steps": total_steps, "resumed_from": resumed_from, "windows": len(corpus.windows),
+        "positions": int(corpus.tokens.numel()), "options": {k: v for k, v in vars(opts).items()},
+        "first_steps": _mean(history[:20]), "last_steps": _mean(history[-20:]), "data": data_info or {},
+    }
+    save_head(head, out_dir)
+    (out_dir / "training.json").write_text(json.dumps(head.config.training, indent=1))
+    return head

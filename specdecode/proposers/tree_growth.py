@@ -1,0 +1,97 @@
+"""Growing a draft tree level by level, shared by every tree proposer (draft model, EAGLE, Medusa).
+
+Each kept node expands its top-b tokens; of all candidates the `width` with the highest cumulative
+draft log-probability are kept (EAGLE-2's rule), up to MAX_TREE_NODES in all. The proposer supplies
+`expand`, which turns a level's new nodes into their logits (one forward with tree attention for
+model-like proposers, a table lookup for Medusa).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.proposers.base import Draft
+from specdecode.tree import MAX_TREE_NODES
+
+DEFAULT_NODE_BUDGET = 16
+"""Tree nodes per step before the engine has measured what the target's forward affords."""
+
+
+def level_width(tree_width: int, node_budget: int, depth: int) -> int:
+    """Nodes kept per level: the configured width, or (0 = dynamic) the node budget spread over depth."""
+    if tree_width > 0:
+        return tree_width
+    return max(1, min(16, node_budget // max(1, depth)))
+
+
+@dataclass
+class TreeLevel:
+    """The nodes added at one level, ready for a forward over the proposer's own cache."""
+
+    level: int
+    """Depth of these nodes minus one (0 = children of the root)."""
+    nodes: list[int]
+    """Tree indices (1-based; 0 is the root = the pending token)."""
+    parents: list[int]
+    tokens: torch.Tensor  # [m]
+    positions: torch.Tensor  # [m] rope positions: base - 1 + depth
+    slots: torch.Tensor  # [m] cache slots: base - 1 + tree index
+    mask: torch.Tensor  # [m, base + num_nodes] bool: the prefix and each node's ancestors
+
+
+def grow_tree(
+    root_logits: torch.Tensor,  # [V] logits for the first draft position
+    depth: int,
+    width: int,
+    branching: int,
+    base: int,
+    expand: Callable[[TreeLevel], torch.Tensor],  # -> [m, V] logits at the new nodes
+    token_map: torch.Tensor | None = None,  # [V] logit column -> token id (a head's draft vocabulary)
+) -> Draft:
+    """`base` = entries of the proposer's cache before the tree; the root sits at slot base - 1."""
+    ids = token_map.tolist() if token_map is not None else None
+    tokens: list[int] = []
+    parents: list[int] = []
+    ancestors: dict[int, list[int]] = {0: []}  # tree index -> tree indices of its path (root excluded)
+    frontier = [(0, 0.0, root_logits)]  # (tree index, cumulative log-prob, logits at that node)
+    for level in range(depth):
+        cands: list[tuple[float, int, int]] = []
+        for idx, score, lg in frontier:
+            top = torch.log_softmax(lg.float(), -1).topk(branching)
+            cols = top.indices.tolist()
+            toks = [ids[c] for c in cols] if ids is not None else cols
+            cands += [(score + lp, idx, t) for lp, t in zip(top.values.tolist(), toks, strict=True)
+                      if lp > float("-inf")]
+        room = MAX_TREE_NODES - len(tokens)
+        cands = sorted(cands, key=lambda c: -c[0])[: min(width, room)]
+        if not cands:
+            break
+        new: list[tuple[int, float]] = []
+        for score, parent, tok in cands:
+            tokens.append(tok)
+            parents.append(parent)
+            idx = len(tokens)
+            ancestors[idx] = [*ancestors[parent], idx]
+            new.append((idx, score))
+        if level + 1 == depth:
+            break
+        mask = torch.zeros(len(new), base + len(tokens), dtype=torch.bool)
+        mask[:, :base] = True
+        for row, (idx, _) in enumerate(new):
+            mask[row, [base - 1 + a for a in ancestors[idx]]] = True
+        nodes = [idx for idx, _ in new]
+        step = TreeLevel(
+            level=level,
+            nodes=nodes,
+            parents=[parents[idx - 1] for idx in nodes],
+            tokens=torch.tensor([tokens[idx - 1] for idx in nodes]),
+            positions=torch.tensor([base - 1 + len(ancestors[idx]) for idx in nodes]),
+            slots=torch.tensor([base - 1 + idx for idx in nodes]),
+            mask=mask,
+        )
+        node_logits = expand(step)
+        frontier = [(idx, score, node_logits[row]) for row, (idx, score) in enumerate(new)]
+    return Draft(tokens, None, parents)
