@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 Method = Literal["ngram", "draft", "eagle", "medusa"]
 METHODS: tuple[str, ...] = ("ngram", "draft", "eagle", "medusa")
-NEEDS_MODEL = {"draft": "the draft model to run", "eagle": "the EAGLE head directory",
-               "medusa": "the Medusa heads directory"}
+NEEDS_MODEL = {"draft": "the draft model to run"}
+"""Methods that cannot run without "model" (a head method without one uses the head shipped for the target)."""
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class SpeculativeConfig:
     """Draft length k; "auto" picks k each step from live acceptance and measured cost."""
     model: str | None = None
     """Draft model (alias, .gguf file or HF directory) for "draft"; the head directory (from
-    `specdecode train-head`) for "eagle" and "medusa"."""
+    `specdecode train-head`) for "eagle" and "medusa" (default: the head shipped for the target)."""
     prompt_lookup_min: int = 2
     """Shortest suffix n-gram the n-gram proposer matches."""
     prompt_lookup_max: int = 5
@@ -33,9 +33,10 @@ class SpeculativeConfig:
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
     draft_tree_width: int | None = None
     """Nodes kept per tree level; 1 proposes a chain, > 1 a tree verified with tree attention in one
-    target pass (top-b expansion, best cumulative draft probability kept per level). None = the method's
-    default: a chain for "draft"; for "eagle"/"medusa" a dynamic width, node budget / depth, where the
-    node budget is the largest target forward the measured cost model finds nearly as cheap as one token."""
+    target pass (top-b expansion, best cumulative draft probability kept per level); 0 = dynamic: the
+    node budget spread over the depth, where the node budget is the largest target forward the measured
+    cost model finds nearly as cheap as one token. None = the method's default: a chain for "draft",
+    dynamic for "eagle" and "medusa"."""
     draft_tree_branching: int = 2
     """Tree proposers: top-b candidates expanded per kept node."""
     quantization: str = "auto"
@@ -53,9 +54,9 @@ class SpeculativeConfig:
         if self.method in NEEDS_MODEL and not self.model:
             raise ValueError(f'method "{self.method}" needs "model": {NEEDS_MODEL[self.method]}')
         width = self.draft_tree_width
-        if (width is not None and not 1 <= width <= 16) or not 1 <= self.draft_tree_branching <= 8:
+        if (width is not None and not 0 <= width <= 16) or not 1 <= self.draft_tree_branching <= 8:
             raise ValueError(
-                f"draft_tree_width must be null or in [1, 16] and draft_tree_branching in [1, 8], got "
+                f"draft_tree_width must be null or in [0, 16] and draft_tree_branching in [1, 8], got "
                 f"{self.draft_tree_width} and {self.draft_tree_branching}"
             )
         if self.quantization not in ("auto", "none", "int8", "int4"):

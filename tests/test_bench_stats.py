@@ -9,7 +9,7 @@ import pytest
 from specdecode.bench import stats
 from specdecode.bench.bandwidth import memory_floor, weight_bytes_per_token
 from specdecode.bench.datasets import load_prompts
-from specdecode.bench.harness import parse_method
+from specdecode.bench.methods import parse_method
 
 
 def rec(method, task, i, out, seconds, steps=None, drafted=None, accepted=None, acc_pos=None, dr_pos=None,
@@ -115,6 +115,16 @@ def test_parse_method():
             parse_method(bad, "d")
     with pytest.raises(ValueError, match="--draft"):
         parse_method("draft", None)
+    heads = {"eagle": "e", "medusa": "m"}
+    assert parse_method("eagle", None, heads).speculative_config == {"method": "eagle", "model": "e",
+                                                                      "num_speculative_tokens": "auto"}
+    assert parse_method("eagle-chain-k5", None, heads).speculative_config == {
+        "method": "eagle", "model": "e", "num_speculative_tokens": 5, "draft_tree_width": 1}
+    assert parse_method("draft-tree", "d").speculative_config["draft_tree_width"] == 0
+    with pytest.raises(ValueError, match="--head"):
+        parse_method("medusa", "d", {"eagle": "e"})
+    with pytest.raises(ValueError):
+        parse_method("ngram-tree", None)
 
 
 def test_datasets_load_and_select():

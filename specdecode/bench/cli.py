@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from specdecode.bench.datasets import DATASETS
+from specdecode.bench.methods import METHOD_HELP
 
 
 def _csv(value: str) -> list[str]:
@@ -30,10 +31,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
                    help="target: alias, .gguf file or HF directory (default: %(default)s)")
     b.add_argument("--methods", type=_csv, default=None,
-                   help="comma list of plain, ngram, draft (adaptive k), ngram-kN, draft-kN (fixed k=N) "
-                        "(default: plain,ngram,draft with --draft, else plain,ngram)")
+                   help="comma list of methods: " + METHOD_HELP + " (default: plain,ngram,draft with --draft, "
+                        "else plain,ngram)")
     b.add_argument("--draft", default=None, help="draft model for draft methods and transformers' assisted "
                                                  "generation (alias, .gguf or HF directory)")
+    b.add_argument("--head", type=_csv, default=[],
+                   help="trained head directories for the eagle/medusa methods (comma list; the kind is read from "
+                        "each head's config; default: the head shipped for the target, if any)")
     b.add_argument("--dataset", default="spec_bench",
                    help=f"one of {', '.join(DATASETS)}, or a path to a .jsonl file (default: %(default)s)")
     b.add_argument("--tasks", type=_csv, default=None, help="comma list of tasks (or categories) to keep")
@@ -73,7 +77,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         tasks=args.tasks, per_task=args.per_task, limit=args.limit, max_tokens=args.max_tokens,
         temperature=args.temperature, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         peers=args.peers, seed=args.seed, warmup=not args.no_warmup, bandwidth_gb=args.bandwidth_gb,
-        plots=not args.no_plots, progress=not args.no_progress,
+        plots=not args.no_plots, progress=not args.no_progress, heads=_heads_by_kind(args.head, args.model),
     )
     summary = run_bench(cfg, _command_line(args))
     print(_short_table(summary))
@@ -81,12 +85,23 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _heads_by_kind(paths: list[str], target: str) -> dict[str, str]:
+    from specdecode.heads.persist import read_head_config
+    from specdecode.heads.shipped import shipped_head
+
+    heads = {kind: str(p) for kind in ("eagle", "medusa") if (p := shipped_head(target, kind)) is not None}
+    for path in paths:
+        heads[read_head_config(Path(path).expanduser()).kind] = path
+    return heads
+
+
 def _command_line(args: argparse.Namespace) -> str:
     """The command as typed when run from a shell; otherwise rebuilt from the parsed arguments."""
     if sys.argv[1:2] == ["bench"]:
         return "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     parts = ["specdecode", "bench", "--model", args.model, "--methods", ",".join(args.methods)]
-    optional = {"--draft": args.draft, "--dataset": args.dataset,
+    optional = {"--draft": args.draft, "--head": ",".join(args.head) if args.head else None,
+                "--dataset": args.dataset,
                 "--tasks": ",".join(args.tasks) if args.tasks else None, "--per-task": args.per_task,
                 "--limit": args.limit, "--max-tokens": args.max_tokens, "--temperature": args.temperature,
                 "--seed": args.seed, "--dtype": args.dtype, "--device": args.device,

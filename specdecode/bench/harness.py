@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import os
 import platform
-import re
 import resource
 import subprocess
 import sys
@@ -30,31 +29,8 @@ import torch
 from specdecode.bench import stats
 from specdecode.bench.bandwidth import measure_bandwidth, memory_floor, weight_bytes_per_token
 from specdecode.bench.datasets import BenchPrompt, load_prompts
+from specdecode.bench.methods import MethodSpec, parse_method
 from specdecode.bench.peers import PeerContext, make_peers, parse_peers
-
-_METHOD_RE = re.compile(r"^(plain|ngram|draft)(?:-k(\d+))?$")
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    name: str
-    speculative_config: dict[str, Any] | None
-
-
-def parse_method(name: str, draft: str | None) -> MethodSpec:
-    """``plain``, ``ngram``, ``draft`` (adaptive k), ``ngram-kN`` / ``draft-kN`` (fixed k=N)."""
-    m = _METHOD_RE.match(name.strip())
-    if m is None or (m.group(1) == "plain" and m.group(2) is not None):
-        raise ValueError(f"unknown method {name!r}: use plain, ngram, draft, ngram-kN or draft-kN")
-    kind, k = m.group(1), m.group(2)
-    if kind == "plain":
-        return MethodSpec("plain", None)
-    cfg: dict[str, Any] = {"method": kind, "num_speculative_tokens": int(k) if k is not None else "auto"}
-    if kind == "draft":
-        if not draft:
-            raise ValueError(f"method {name!r} needs --draft MODEL")
-        cfg["model"] = draft
-    return MethodSpec(name.strip(), cfg)
 
 
 @dataclass
@@ -63,6 +39,8 @@ class BenchConfig:
     methods: list[str]
     out: Path
     draft: str | None = None
+    heads: dict[str, str] = field(default_factory=dict)
+    """Head directory per kind ("eagle", "medusa") for the head methods."""
     dataset: str = "spec_bench"
     tasks: list[str] | None = None
     per_task: int | None = None
@@ -249,7 +227,7 @@ class BenchRun:
     def __init__(self, cfg: BenchConfig, command: str = "") -> None:
         self.cfg = cfg
         self.command = command or " ".join(sys.argv)
-        self.specs = [parse_method(m, cfg.draft) for m in cfg.methods]
+        self.specs = [parse_method(m, cfg.draft, cfg.heads) for m in cfg.methods]
         names = [s.name for s in self.specs]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate methods in {names}")

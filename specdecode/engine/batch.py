@@ -23,6 +23,9 @@ from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
 
+CATCH_UP_HORIZON_STEPS = 8
+"""Steps over which a draft's catch-up forward is amortised when deciding whether a row drafts."""
+
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than the engine accepts; retry later."""
@@ -177,6 +180,7 @@ class BatchEngine:
             return wants
         # A k the user fixed (server-wide or per request) is honoured; only adaptive rows are capped.
         adaptive = [r.policy is not None and r.policy.fixed_k is None for r in self.running]
+        catch_up = [self._catch_up_share(r) for r in self.running]
         n = len(wants)
         best_cap, best_rate = 0, -1.0
         for cap in range(max(wants) + 1):
@@ -184,10 +188,23 @@ class BatchEngine:
             tokens = sum(r.policy.tracker.expected_tokens(k) if r.policy else 1.0 for r, k in zip(self.running, ks,
                                                                                                    strict=True))
             seconds = self.cost.forward_seconds(n * (cap + 1)) + sum(ks) * self.cost.draft_step_seconds
+            seconds += sum(c for c, k in zip(catch_up, ks, strict=True) if k > 0)
             rate = tokens / seconds
             if rate > best_rate * (1 + 1e-9):
                 best_cap, best_rate = cap, rate
         return [min(w, best_cap) if a else w for w, a in zip(wants, adaptive, strict=True)]
+
+    @staticmethod
+    def _catch_up_share(r: Running) -> float:
+        """A row's draft catch-up (feeding what its proposer has not seen since it last drafted) spread
+        over the steps it is likely to serve: one long catch-up is paid once, not every step, but a row
+        that pauses and resumes drafting pays it again. Without this, rows admitted with the prior
+        acceptance, or probing under load, paid a whole-context draft prefill for a step or two."""
+        estimate = getattr(r.proposer, "catch_up_seconds", None)
+        if estimate is None:
+            return 0.0
+        left = r.seq.params.max_tokens - r.seq.num_output
+        return estimate(r.seq.view()) / max(1, min(CATCH_UP_HORIZON_STEPS, left // 2))
 
     def step(self) -> list[Sequence]:
         """Admit waiting requests, run one verify pass over all running ones; returns sequences with news."""

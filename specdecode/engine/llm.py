@@ -21,6 +21,7 @@ from specdecode.engine.validation import (
 from specdecode.fetch import resolve_model
 from specdecode.heads.modules import DraftHead, EagleHead, MedusaHeads
 from specdecode.heads.persist import load_head
+from specdecode.heads.shipped import shipped_head
 from specdecode.model.fast_linear import convert_linears, draft_linear_format, target_linear_format
 from specdecode.model.load import (
     LoadedModel,
@@ -92,7 +93,11 @@ class LLM:
         self.head: DraftHead | None = None
         if spec is not None and spec.method in ("eagle", "medusa"):
             # Before the target's linears are converted: the head copies the target's output rows.
-            self.head = load_head(str(spec.model), self.target.model, kind=spec.method)
+            head_dir = spec.model or shipped_head(model, spec.method)
+            if head_dir is None:
+                raise ValueError(f'method "{spec.method}" needs "model": a head directory trained for {model!r} '
+                                 "(`specdecode train-head`); no head ships for this target")
+            self.head = load_head(str(head_dir), self.target.model, kind=spec.method)
             convert_linears(self.head, draft_linear_format(spec.quantization, self.dtype, self.device))
         convert_linears(self.target.model, target_linear_format(quantization, self.dtype, self.device))
         self.draft: LoadedModel | None = None

@@ -33,6 +33,7 @@ class DraftModelProposer:
         self.num_cached = 0
         """Tokens of the sequence whose K/V are valid in our cache (slots [0, num_cached))."""
         self._cost = 0.0
+        self._catch_up_cost = 0.0
 
     def begin(self, seq: SequenceView) -> None:
         # Nothing is fed yet: the first `propose` catches the cache up on the prompt (and anything
@@ -93,12 +94,19 @@ class DraftModelProposer:
         self.cache.set_length(0, self.num_cached)
 
     def step_cost_hint(self) -> float:
-        """Seconds of one single-token draft forward, measured once (median of 5 after a warm-up)."""
+        """Seconds of one single-token draft forward, measured once (median of 5 after a warm-up); the
+        warm-up feed also gives the per-token cost of a catch-up forward."""
         if self._cost == 0.0:
             self.cache.reset()
             self.num_cached = 0
             room = self.cache.max_len  # a short context leaves less room for the warm-up and the samples
-            self._feed([1] * max(0, min(64, room - 6)))  # a realistic cache, if it fits
+            warm = max(0, min(64, room - 6))
+            self._feed([1] * warm)  # a realistic cache, if it fits (and first-call overheads paid)
+            self.cache.reset()
+            self.num_cached = 0
+            t0 = time.perf_counter()
+            self._feed([1] * warm)
+            self._catch_up_cost = (time.perf_counter() - t0) / max(1, warm)
             samples = []
             for _ in range(max(1, min(6, room - self.num_cached))):
                 t0 = time.perf_counter()
@@ -108,6 +116,12 @@ class DraftModelProposer:
             self.cache.reset()
             self.num_cached = 0
         return self._cost
+
+    def catch_up_seconds(self, seq: SequenceView) -> float:
+        """Estimated seconds the next propose spends feeding the tokens our cache has not seen (the
+        prompt on the first draft, everything since the last draft after a pause)."""
+        lag = len(seq.token_ids) - self.num_cached
+        return 0.0 if lag <= 1 else lag * self._catch_up_cost
 
     def _propose_tree(self, seq: SequenceView, depth: int) -> Draft:
         """A tree grown by `grow_tree`, each level fed through the draft with tree attention. Children are

@@ -1,0 +1,18 @@
+"""Heads that ship with the package, by target alias: `{"method": "eagle"}` with no "model" uses them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHIPPED_DIR = Path(__file__).parent / "shipped"
+SHIPPED = {
+    ("qwen2.5-coder-1.5b-instruct", "eagle"): "qwen2.5-coder-1.5b-instruct-eagle",
+}
+"""(target alias, head kind) -> directory under SHIPPED_DIR. Reproduce with the command in its README."""
+
+
+def shipped_head(target: str, kind: str) -> Path | None:
+    name = SHIPPED.get((Path(str(target)).name.removesuffix(".gguf"), kind))
+    if name is None or not (SHIPPED_DIR / name / "config.json").exists():
+        return None
+    return SHIPPED_DIR / name
