@@ -150,3 +150,20 @@ def test_random_head_greedy_equals_plain_smollm(tmp_path: Path, kind: str) -> No
     ref = [o.token_ids for o in base.generate(prompts, params)]
     llm = LLM("smollm2-135m-instruct", dtype="fp32", speculative_config={"method": kind, "model": str(tmp_path)})
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_heads_in_continuous_batching_keep_greedy_output(plain_tiny, tiny_llama_dir: Path, random_heads,
+                                                         kind: str) -> None:
+    """The batch engine feeds every row's proposer the target's features (chain drafts there)."""
+    base, ref = plain_tiny
+    llm = LLM(str(tiny_llama_dir), dtype="fp32",
+              speculative_config={"method": kind, "model": str(random_heads[kind]), "num_speculative_tokens": 3})
+    engine = llm.batch_engine(max_num_seqs=2)
+    seqs = [llm.new_sequence(p, GREEDY) for p in _prompts(base)]
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    assert [s.output_ids for s in seqs] == ref
+    assert all(s.stats.draft_tokens > 0 for s in seqs)

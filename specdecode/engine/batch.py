@@ -18,7 +18,7 @@ import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
 from specdecode.engine.sequence import Sequence
-from specdecode.engine.step_verify import start_sequence, verify_draft
+from specdecode.engine.step_verify import share_hidden, start_sequence, verify_draft
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
@@ -132,6 +132,10 @@ class BatchEngine:
             proposer = self.proposer_factory() if self.proposer_factory is not None else None
             if k_override == 0:
                 proposer = None
+            if getattr(proposer, "tree_width", 1) != 1:
+                # The batched verify pass is chain-only (ragged rows, causal masks): tree proposers draft
+                # their best chain here; trees are verified in the single-sequence path.
+                proposer.tree_width = 1  # type: ignore[union-attr]
             self._prefill(seq, row, proposer)
             self.running.append(Running(seq, proposer, self._policy(proposer, k_override), k_override))
             admitted.append(seq)
@@ -154,9 +158,11 @@ class BatchEngine:
         dev = self.target.device
         ids = torch.tensor([seq.token_ids], device=dev)
         pos = torch.arange(len(seq.token_ids), device=dev).unsqueeze(0)
-        logits = self.target.compute_logits(self.target(ids, pos, view)[0, -1:])
+        hidden = self.target(ids, pos, view)[0]  # [P, D]
+        logits = self.target.compute_logits(hidden[-1:])
         self.cache.set_length(row, seq.prompt_len)
         start_sequence(seq, logits, proposer, t0)
+        share_hidden(proposer, hidden)
 
     def _release(self, row: int) -> None:
         last = len(self.running) - 1
@@ -236,6 +242,7 @@ class BatchEngine:
             seq = r.seq
             out, accepted = verify_draft(seq, logits[i, : len(d) + 1], d)
             self.cache.set_length(i, len(seq.token_ids) + accepted)
+            share_hidden(r.proposer, hidden[i, : accepted + 1])
             emitted = 0
             for tok in out:
                 seq.append(tok)

@@ -11,7 +11,7 @@ import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel, tree_node_budget
 from specdecode.engine.sequence import Sequence
-from specdecode.engine.step_verify import start_sequence, verify_draft, verify_tree_draft
+from specdecode.engine.step_verify import share_hidden, start_sequence, verify_draft, verify_tree_draft
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
@@ -61,11 +61,6 @@ class SpeculativeDecoder:
         # A prompt needs only its last position's logits: the output matrix is the largest one.
         return hidden, self.target.compute_logits(hidden[-1:] if last_only else hidden)
 
-    def _share_hidden(self, hidden: torch.Tensor) -> None:
-        """Give head proposers (EAGLE, Medusa) the target's features of the positions just kept [m, D]."""
-        if getattr(self.proposer, "wants_target_hidden", False):
-            self.proposer.observe_hidden(hidden)  # type: ignore[union-attr]
-
     def prefill(self, seq: Sequence) -> None:
         """Process the prompt, emit the first token, start the proposer."""
         t0 = time.perf_counter()  # timing starts here, not when generate() validated the whole batch
@@ -73,7 +68,7 @@ class SpeculativeDecoder:
         hidden, logits = self._forward(seq.token_ids, 0, last_only=True)  # [P, D], [1, V]
         self.cache.set_length(0, seq.prompt_len)
         start_sequence(seq, logits, self.proposer, t0)
-        self._share_hidden(hidden)
+        share_hidden(self.proposer, hidden)
 
     def step(self, seq: Sequence, k: int) -> StepResult:
         """Propose k tokens, verify them in one target forward, roll the cache back to what was kept."""
@@ -87,7 +82,7 @@ class SpeculativeDecoder:
         else:
             hidden, logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [k+1, D], [k+1, V]
             out, accepted = verify_draft(seq, logits, draft)
-            self._share_hidden(hidden[: accepted + 1])
+            share_hidden(self.proposer, hidden[: accepted + 1])
         # Kept: the pending token and the accepted drafts; the new token becomes pending.
         self.cache.set_length(0, n + accepted)
         return StepResult(out, len(draft), accepted, depth, t1 - t0, time.perf_counter() - t1)
@@ -109,7 +104,7 @@ class SpeculativeDecoder:
         logits = self.target.compute_logits(hidden[0])  # [N, V]
         out, nodes = verify_tree_draft(seq, logits, tokens, buffers)
         self.cache.compact(0, [n - 1 + i for i in nodes], n)
-        self._share_hidden(hidden[0, [0, *nodes]])  # the root (pending token) and the accepted path
+        share_hidden(self.proposer, hidden[0, [0, *nodes]])  # the root (pending token) and the accepted path
         return out, len(nodes), buffers.max_depth
 
     # ---- the loop -------------------------------------------------------------------------------

@@ -90,3 +90,9 @@ def verify_tree_draft(
             u = draw_uniforms(tokens.shape[0] + 1, seq.generator)
             nodes, out = verify_tree(tokens, buffers, None, target_probs, u)
     return out.tolist(), list(nodes)
+
+
+def share_hidden(proposer: Proposer | None, hidden: torch.Tensor) -> None:
+    """Head proposers (EAGLE, Medusa) read the target's features of the positions just kept [m, D]."""
+    if getattr(proposer, "wants_target_hidden", False):
+        proposer.observe_hidden(hidden)  # type: ignore[union-attr]

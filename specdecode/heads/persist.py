@@ -16,9 +16,12 @@ WEIGHTS = "head.safetensors"
 CONFIG = "config.json"
 
 
-def save_head(head: DraftHead, out_dir: Path) -> None:
+def save_head(head: DraftHead, out_dir: Path, dtype: torch.dtype | None = None) -> None:
+    """dtype: cast floating weights (e.g. bf16 to halve the file; a head's precision never changes the
+    output, only how often its guesses are accepted)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.saved_state().items()}
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+             for k, v in head.saved_state().items()}
     tmp = out_dir / (WEIGHTS + ".partial")
     save_file(state, str(tmp), metadata={"kind": head.config.kind})
     tmp.rename(out_dir / WEIGHTS)

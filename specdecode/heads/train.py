@@ -218,6 +218,6 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
         "positions": int(corpus.tokens.numel()), "options": {k: v for k, v in vars(opts).items()},
         "first_steps": _mean(history[:20]), "last_steps": _mean(history[-20:]), "data": data_info or {},
     }
-    save_head(head, out_dir)
+    save_head(head, out_dir, dtype=torch.bfloat16)  # the checkpoint keeps fp32 for resuming
     (out_dir / "training.json").write_text(json.dumps(head.config.training, indent=1))
     return head
