@@ -6,9 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdecode.bench.report import PLOTS
 from specdecode.cli import main
+from specdecode.heads.persist import new_head, save_head
+from specdecode.model.load import load_model
 
 PROMPTS = [
     {"category": "code", "turns": ["def add(a, b):"]},
@@ -24,8 +27,11 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     out = tmp_path / "out"
+    target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
+    save_head(new_head(target, "eagle", torch.arange(target.config.vocab_size)), tmp_path / "head")
     rc = main([
-        "bench", "--model", str(tiny_llama_dir), "--draft", str(tiny_llama_dir), "--methods", "plain,ngram,draft",
+        "bench", "--model", str(tiny_llama_dir), "--draft", str(tiny_llama_dir), "--head", str(tmp_path / "head"),
+        "--methods", "plain,ngram,draft,eagle,eagle-chain",
         "--dataset", str(data), "--per-task", "2", "--max-tokens", "8", "--dtype", "fp32",
         "--peers", "transformers,llama.cpp", "--bandwidth-gb", "0.05", "--no-progress", "--out", str(out),
     ])
@@ -35,7 +41,7 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     ours = [r for r in records if r["engine"] == "specdecode"]
-    assert len(ours) == 3 * 4
+    assert len(ours) == 5 * 4
     for r in records:
         for key in ("method", "task", "prompt_index", "prompt_tokens", "output_tokens", "seconds",
                     "tokens_per_second", "steps", "mean_accepted_length", "acceptance_rate", "token_ids"):
@@ -47,9 +53,9 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     for key in ("command", "machine", "config", "protocol", "methods", "tasks", "by_method", "bandwidth",
                 "memory_floor", "notes"):
         assert key in s, key
-    assert s["methods"][:3] == ["plain", "ngram", "draft"]
+    assert s["methods"][:5] == ["plain", "ngram", "draft", "eagle", "eagle-chain"]
     assert s["tasks"] == ["code", "prose"]
-    for method in ("plain", "ngram", "draft"):
+    for method in ("plain", "ngram", "draft", "eagle", "eagle-chain"):
         entry = s["by_method"][method]
         for scope in [entry["overall"], *entry["tasks"].values()]:
             for key in ("tokens_per_second", "speedup", "mean_accepted_length", "acceptance_rate",
@@ -71,6 +77,8 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     md = (out / "summary.md").read_text()
     assert "## Overall" in md and "## code" in md and "## prose" in md and "specdecode bench --model" in md
     assert "of the floor" in md
+    assert "## Comparison table" in md and "| eagle | EAGLE-style head, dynamic tree |" in md
+    assert "| eagle-chain | EAGLE-style head, chain |" in md
 
 
 def test_llamacpp_peer_with_a_fake_module(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,6 +35,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "else plain,ngram)")
     b.add_argument("--draft", default=None, help="draft model for draft methods and transformers' assisted "
                                                  "generation (alias, .gguf or HF directory)")
+    b.add_argument("--compare-table", action="store_true",
+                   help="the field's comparison table on the Qwen pair: methods plain,ngram,draft,eagle (+ medusa "
+                        "with a Medusa --head), --draft qwen2.5-coder-0.5b-instruct unless given; see summary.md")
     b.add_argument("--head", type=_csv, default=[],
                    help="trained head directories for the eagle/medusa methods (comma list; the kind is read from "
                         "each head's config; default: the head shipped for the target, if any)")
@@ -70,6 +73,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    heads = _heads_by_kind(args.head, args.model)
+    if args.compare_table:
+        args.draft = args.draft or COMPARE_DRAFT
+        args.methods = args.methods or ["plain", "ngram", "draft", *[k for k in ("eagle", "medusa") if k in heads]]
     if args.methods is None:
         args.methods = ["plain", "ngram", "draft"] if args.draft else ["plain", "ngram"]
     cfg = BenchConfig(
@@ -77,12 +84,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
         tasks=args.tasks, per_task=args.per_task, limit=args.limit, max_tokens=args.max_tokens,
         temperature=args.temperature, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         peers=args.peers, seed=args.seed, warmup=not args.no_warmup, bandwidth_gb=args.bandwidth_gb,
-        plots=not args.no_plots, progress=not args.no_progress, heads=_heads_by_kind(args.head, args.model),
+        plots=not args.no_plots, progress=not args.no_progress, heads=heads,
     )
     summary = run_bench(cfg, _command_line(args))
     print(_short_table(summary))
     print(f"wrote {args.out}/summary.md, summary.json, records.jsonl and plots", file=sys.stderr)
     return 0
+
+
+COMPARE_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
 def _heads_by_kind(paths: list[str], target: str) -> dict[str, str]:
@@ -110,7 +120,7 @@ def _command_line(args: argparse.Namespace) -> str:
     for flag, value in optional.items():
         if value is not None:
             parts += [flag, str(value)]
-    for flag in ("no_warmup", "no_plots", "no_progress"):
+    for flag in ("compare_table", "no_warmup", "no_plots", "no_progress"):
         if getattr(args, flag):
             parts.append("--" + flag.replace("_", "-"))
     parts += ["--out", str(args.out)]

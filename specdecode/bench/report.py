@@ -88,6 +88,43 @@ def _table(summary: dict[str, Any], task: str | None) -> str:
     return "\n".join(lines)
 
 
+_FAMILIES = {"plain": "autoregressive (no speculation)", "ngram": "n-gram prompt lookup",
+             "draft": "draft model", "eagle": "EAGLE-style head", "medusa": "Medusa heads"}
+
+
+def _family(method: str, config: dict[str, Any] | None) -> str:
+    kind = method.split("-")[0]
+    name = _FAMILIES.get(kind, kind)
+    if kind in ("draft", "eagle", "medusa"):
+        width = (config or {}).get("draft_tree_width")
+        tree = width != 1 if kind != "draft" else width not in (None, 1)
+        name += ", dynamic tree" if tree else ", chain"
+    return name
+
+
+def comparison_table(summary: dict[str, Any]) -> str:
+    """The field's comparison (plain, n-gram, draft chain, tree head ...): acceptance, τ, speedup and the
+    memory each method adds to plain decoding (resident memory its engine added at load, minus plain's)."""
+    by = summary["by_method"]
+
+    def loaded(method: str) -> float | None:  # what building the engine added to the process (weights, caches)
+        res = by.get(method, {}).get("resources", {})
+        before, after = res.get("rss_before_load_bytes"), res.get("rss_after_load_bytes")
+        return after - before if before is not None and after is not None else None
+
+    plain = loaded("plain")
+    lines = ["| method | kind | acceptance rate | τ | speedup | extra memory vs plain (GiB) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for method in summary["methods"]:
+        s = by[method]["overall"]
+        mine = loaded(method)
+        extra = mine - plain if (mine is not None and plain is not None) else None
+        cfg = by[method].get("resources", {}).get("speculative_config")
+        lines.append(f"| {method} | {_family(method, cfg)} | {_f(s['acceptance_rate'], '{:.0%}')} "
+                     f"| {_f(s['mean_accepted_length'])} | {_f(s['speedup'], suffix='×')} | {_gib(extra)} |")
+    return "\n".join(lines)
+
+
 def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> str:
     m = summary["machine"]
     cfg = summary["config"]
@@ -117,6 +154,8 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
         "",
         _table(summary, None),
     ]
+    if "plain" in summary["by_method"]:
+        parts += ["", "## Comparison table (the field's methods, this run)", "", comparison_table(summary)]
     for task in summary["tasks"]:
         parts += ["", f"## {task}", "", _table(summary, task)]
 
