@@ -167,3 +167,16 @@ def test_heads_in_continuous_batching_keep_greedy_output(plain_tiny, tiny_llama_
         engine.step()
     assert [s.output_ids for s in seqs] == ref
     assert all(s.stats.draft_tokens > 0 for s in seqs)
+
+
+def test_self_distilled_answers_are_cached_and_resumed(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from specdecode.heads.selfgen import self_distill_requests, self_distilled_conversations
+
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram"})
+    requests = self_distill_requests(3)
+    assert len(set(requests)) == 3
+    path = tmp_path / "answers.jsonl"
+    first = self_distilled_conversations(llm, requests[:2], path, max_tokens=6)
+    assert [c[0]["content"] for c in first] == requests[:2] and all(c[1]["role"] == "assistant" for c in first)
+    again = self_distilled_conversations(llm, requests, path, max_tokens=6)  # generates only the third
+    assert again[:2] == first and len(path.read_text().splitlines()) == 3

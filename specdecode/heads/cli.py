@@ -18,6 +18,11 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
                    help="where target features are stored (default: $SPECDECODE_HOME/head-data/<target>)")
     p.add_argument("--data-tokens", type=int, default=DEFAULT_DATA_TOKENS,
                    help="positions of target features to generate (default %(default)s, ~25 min on 2 cores)")
+    p.add_argument("--self-distill", type=int, default=0, metavar="N",
+                   help="also train on the target's own answers to N requests built from the corpus (greedy, "
+                        "256 tokens each; cached and resumable)")
+    p.add_argument("--self-distill-draft", default=None,
+                   help="draft model that speeds up generating those answers (default: n-gram lookup)")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=32768, help="output rows of the head (most frequent ids)")
@@ -32,6 +37,25 @@ def default_data_dir(target: str) -> Path:
     from specdecode.fetch import models_home
 
     return models_home().parent / "head-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(target).name)
+
+
+def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint: dict) -> list[Path]:
+    import gc
+
+    from specdecode import LLM
+    from specdecode.heads.features import conversation_ids, generate_features
+    from specdecode.heads.selfgen import self_distill_requests, self_distilled_conversations
+
+    spec = {"method": "draft", "model": args.self_distill_draft} if args.self_distill_draft else {"method": "ngram"}
+    llm = LLM(args.target, speculative_config=spec)
+    requests = self_distill_requests(args.self_distill)
+    convs = self_distilled_conversations(llm, requests, data_dir / f"self-answers-{args.self_distill}.jsonl")
+    total = sum(len(conversation_ids(llm.tokenizer, c)) for c in convs)
+    shards = generate_features(llm.target.model, llm.tokenizer, data_dir / f"self-{args.self_distill}", total,
+                               fingerprint=fingerprint, conversations=convs, source="self-distilled")
+    del llm
+    gc.collect()
+    return shards
 
 
 def run_train_head(args: argparse.Namespace) -> int:
@@ -53,6 +77,8 @@ def run_train_head(args: argparse.Namespace) -> int:
     convert_linears(loaded.model, target_linear_format("none", loaded.model.dtype, loaded.model.device))
     shards = generate_features(loaded.model, tok, data_dir, args.data_tokens, fingerprint=fingerprint)
     del loaded
+    if args.self_distill > 0:
+        shards += _self_distilled_shards(args, data_dir, fingerprint)
     target = load_model(args.target, "bf16").model
     opts = TrainOptions(kind=args.kind, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab,
                         intermediate_size=args.intermediate_size, num_medusa_heads=args.num_heads,

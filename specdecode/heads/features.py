@@ -71,17 +71,21 @@ def generate_features(
     shard_tokens: int = 8192,
     seed: int = 0,
     fingerprint: dict | None = None,
+    conversations: list[Messages] | None = None,
+    source: str = "corpus",
 ) -> list[Path]:
-    """Write shards until num_tokens positions are stored; returns the shard paths. Resumable: the
-    conversation order is fixed by the seed and a finished shard is never recomputed."""
+    """Write shards until num_tokens positions are stored (or the conversations run out); returns the
+    shard paths. Resumable: the conversation order is fixed (by the seed for the built-in corpus) and
+    a finished shard is never recomputed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     meta_path = out_dir / "features.json"
-    meta = {"seed": seed, "shard_tokens": shard_tokens, "max_seq_tokens": MAX_SEQ_TOKENS, "target": fingerprint}
+    meta = {"seed": seed, "shard_tokens": shard_tokens, "max_seq_tokens": MAX_SEQ_TOKENS, "target": fingerprint,
+            "source": source}
     if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
         raise ValueError(f"{out_dir} holds features made with other settings or another target; use a new --out")
     meta_path.write_text(json.dumps(meta, indent=1))
 
-    convs = iter(training_conversations(seed))
+    convs = iter(conversations if conversations is not None else training_conversations(seed))
     num_shards = -(-num_tokens // shard_tokens)
     bar = tqdm(total=num_shards * shard_tokens, unit="tok", desc="target features", smoothing=0.1,
                disable=None)
