@@ -11,6 +11,8 @@ Method = Literal["ngram", "draft", "eagle", "medusa"]
 METHODS: tuple[str, ...] = ("ngram", "draft", "eagle", "medusa")
 NEEDS_MODEL = {"draft": "the draft model to run"}
 """Methods that cannot run without "model" (a head method without one uses the head shipped for the target)."""
+DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int8-dynamic", "int4")
+"""Draft weight formats; the same as specdecode.model.fast_linear.QUANTIZATIONS plus "auto"."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,8 @@ class SpeculativeConfig:
     draft_tree_branching: int = 2
     """Tree proposers: top-b candidates expanded per kept node."""
     quantization: str = "auto"
-    """Draft weight format: "none", "int8", "int4", or "auto" (int4 for a bf16 draft on CPU, the
-    fastest single-token path measured here; none otherwise)."""
+    """Draft weight format: "none", "int8", "int8-dynamic", "int4", or "auto" (int4 for a bf16 draft on
+    CPU, the fastest single-token path measured here; none otherwise)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -59,8 +61,9 @@ class SpeculativeConfig:
                 f"draft_tree_width must be null or in [0, 16] and draft_tree_branching in [1, 8], got "
                 f"{self.draft_tree_width} and {self.draft_tree_branching}"
             )
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"draft quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"draft quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "

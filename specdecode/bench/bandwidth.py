@@ -65,7 +65,8 @@ def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The weight tensors a module reads in its forward.
 
     Parameters, persistent buffers, and public tensor attributes (our packed Linear formats keep
-    ``packed`` / ``weight`` + ``scales`` / ``packed`` + ``scales_zeros`` as plain attributes).
+    ``packed`` / ``weight`` + ``scales`` / ``packed`` + ``scales_zeros`` as plain attributes; int8-dynamic's
+    FBGEMM object is no tensor and declares its size as ``packed_nbytes``, counted by the caller).
     Underscore attributes (caches, rope tables, test copies) are not weights.
     """
     out: list[tuple[str, torch.Tensor]] = list(module.named_parameters(recurse=False))
@@ -98,6 +99,11 @@ def weight_bytes_per_token(model: nn.Module) -> dict[str, Any]:
             counted[key] = _tensor_bytes(t)
             kind = type(module).__name__
             by_kind[kind] = by_kind.get(kind, 0) + counted[key]
+        opaque = getattr(module, "packed_nbytes", 0)  # weights held by a non-tensor object (FBGEMM's)
+        if opaque:
+            counted[("opaque", id(module))] = opaque
+            kind = type(module).__name__
+            by_kind[kind] = by_kind.get(kind, 0) + opaque
     excluded = sum(b for k, b in embedding.items() if k not in counted)
     return {"bytes": sum(counted.values()), "embedding_bytes_excluded": excluded, "by_module_type": by_kind}
 

@@ -55,8 +55,9 @@ class LLM:
             {"method": "draft", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}.
         max_model_len: context to allocate KV cache for (default min(model's, 8192)).
         seed: default seed of requests that give none.
-        quantization: target weight format: "none" (exact, default), "int8" or "int4" (opt-in: changes
-            the model; speculative decoding stays lossless relative to the quantized target).
+        quantization: target weight format: "none" (exact, default), "int8" (weight-only), "int8-dynamic"
+            (int8 weights x per-token int8 activations, CPU/FBGEMM) or "int4" (opt-in: changes the model;
+            speculative decoding stays lossless relative to the quantized target).
     """
 
     def __init__(

@@ -4,6 +4,8 @@
   plain bf16 matmul re-packs on every call and runs at ~1/3 of memory bandwidth on these
   CPUs; the packed one reaches it. Exact w.r.t. the bf16 model up to accumulation order.
 - `int8`: weight-only int8 with per-channel scales (`torch._weight_int8pack_mm`).
+- `int8-dynamic`: int8 weights x int8 activations quantized per token at run time (FBGEMM's int8
+  GEMM, VNNI): the fastest verification forward (DESIGN.md section 6).
 - `int4`: weight-only int4 with group-wise scales/zeros (`torch._weight_int4pack_mm_for_cpu`).
 - `int4-hybrid`: int4 for forwards of a few tokens, packed bf16 for prefill (drafts).
 The quantized formats change the model: for drafts (which never change the output) or
@@ -12,13 +14,17 @@ explicit opt-in.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Literal
 
 import torch
 from torch import nn
 
-LinearFormat = Literal["none", "packed-bf16", "int8", "int4", "int4-hybrid"]
-FORMATS: tuple[str, ...] = ("none", "packed-bf16", "int8", "int4", "int4-hybrid")
+LinearFormat = Literal["none", "packed-bf16", "int8", "int8-dynamic", "int4", "int4-hybrid"]
+FORMATS: tuple[str, ...] = ("none", "packed-bf16", "int8", "int8-dynamic", "int4", "int4-hybrid")
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4")
+"""What a user may pick for a target (`LLM(quantization=...)`, `--quantization`) or a draft."""
 
 
 class PackedBF16Linear(nn.Module):
@@ -53,6 +59,79 @@ class Int8WeightLinear(nn.Module):
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
 
+def _fbgemm_prepack(q: torch.Tensor, scales: torch.Tensor) -> torch.ScriptObject:
+    """FBGEMM's packed form of int8 weights `q` [N, K] with per-output-channel `scales` [N] (no bias)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError("the int8-dynamic format needs PyTorch's FBGEMM kernels (x86 CPUs)")
+    with warnings.catch_warnings():
+        # torch 2.13 deprecates creating quantized tensors; prepacking still takes one.
+        warnings.filterwarnings("ignore", message=r".*quantized tensor creation", category=UserWarning)
+        qw = torch._make_per_channel_quantized_tensor(
+            q, scales.double(), torch.zeros(q.shape[0], dtype=torch.int64), 0)
+    prev = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm"
+    try:
+        return torch.ops.quantized.linear_prepack(qw, None)
+    finally:
+        torch.backends.quantized.engine = prev
+
+
+@functools.cache
+def _activation_qmax() -> int:
+    """Largest activation integer FBGEMM multiplies exactly on this CPU.
+
+    With AVX512-VNNI its int8 GEMM accumulates u8 x s8 products straight into int32: 127. Without
+    VNNI (AVX2, AVX512F) it first adds pairs of products in saturating int16, so activations must stay
+    7-bit (u8 <= 127, as torch's own `reduce_range`): 63. Found by running the kernel once on a product
+    that saturates on the latter.
+    """
+    k = 64
+    packed = _fbgemm_prepack(torch.full((8, k), 127, dtype=torch.int8), torch.ones(8))
+    y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(torch.full((1, k), 127.0), 1.0, 128, packed)
+    return 127 if bool((y == 127.0 * 127.0 * k).all()) else 63
+
+
+class Int8DynamicLinear(nn.Module):
+    """int8 weights (per output channel) x int8 activations quantized per token at run time (FBGEMM).
+
+    Each input row gets its own symmetric scale absmax / qmax and is rounded here; FBGEMM receives
+    those integers with scale 1 and zero point qmax + 1, so its int8 GEMM computes the exact integer
+    dot products (int32) times the weight scales, and the token's scale is applied after. torch's
+    `linear_dynamic` would instead quantize the whole input with one scale, making a token's output
+    depend on the other tokens of the forward; here verifying k tokens gives, bit for bit, the rows of
+    k single-token forwards. Input and output keep the model dtype; the kernel runs in fp32.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # [N, K]
+        # Scales rounded to bf16 numbers: q * scale is then exact in fp32 (dequantized() is the weight).
+        scales = (w.abs().amax(dim=1).clamp(min=1e-8) / 127.0).to(torch.bfloat16).float()  # [N]
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.out_features, self.in_features = w.shape
+        self.packed = _fbgemm_prepack(q, scales)  # FBGEMM's object holds the only copy of the weights
+        self.packed_nbytes = q.numel() * q.element_size()  # for the bandwidth report: not a tensor
+        self.scales = scales
+        self.qmax = _activation_qmax()
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def dequantized(self) -> torch.Tensor:
+        q = torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()  # a copy, rebuilt from the packed form
+        return q.float() * self.scales[:, None]
+
+    def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token integers (as fp32) and scales [rows, 1] of x [rows, K] (fp32)."""
+        scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30).div_(self.qmax)
+        return (x / scale).round_(), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xq, scale = self.quantize_activations(x.reshape(-1, shape[-1]).float())
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(xq, 1.0, self.qmax + 1, self.packed)
+        y = y * scale if self.bias is None else torch.addcmul(self.bias, y, scale)
+        return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
+
+
 class Int4WeightLinear(nn.Module):
     """Asymmetric 4-bit groups of `group_size` input channels (gpt-fast's scheme)."""
 
@@ -71,12 +150,15 @@ class Int4WeightLinear(nn.Module):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, inner_k_tiles)
         # [G, N, 2] bf16 (scale, zero) pairs
         self.scales_zeros = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self._dq = (q.reshape(n, -1, group_size).float() - 8) * scales + zeros  # kept only for tests
-        self._dq = self._dq.reshape(n, k).to(torch.bfloat16)
+        self._q = q.to(torch.uint8)  # kept only for dequantized() (tests); 1 byte a weight
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
 
     def dequantized(self) -> torch.Tensor:
-        return self._dq.float()
+        """The weight the kernel multiplies by: (q - 8) * scale + zero, from the bf16 pairs, in fp32."""
+        n, k = self._q.shape
+        scale, zero = self.scales_zeros.float().transpose(0, 1).unsqueeze(2).unbind(-1)  # [N, G, 1] each
+        q = self._q.reshape(n, k // self.group_size, self.group_size).float()
+        return ((q - 8) * scale + zero).reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -110,6 +192,7 @@ class Int4HybridLinear(nn.Module):
 _CONSTRUCTORS = {
     "packed-bf16": PackedBF16Linear,
     "int8": Int8WeightLinear,
+    "int8-dynamic": Int8DynamicLinear,
     "int4": Int4WeightLinear,
     "int4-hybrid": Int4HybridLinear,
 }
@@ -133,8 +216,8 @@ def convert_linears(model: nn.Module, fmt: LinearFormat) -> nn.Module:
 def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormat:
     """The target keeps its weights unless the user opts into quantization; on CPU in bf16 they are
     pre-packed (same values, faster kernel)."""
-    if quantization not in ("none", "int8", "int4"):
-        raise ValueError(f"quantization must be none, int8 or int4, got {quantization!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if device.type != "cpu":
         if quantization != "none":
             raise ValueError(f"quantization {quantization!r} is implemented for CPU only")
