@@ -141,12 +141,18 @@ def test_unknown_draft_alias(tiny_llama_dir: Path, capsys: pytest.CaptureFixture
     assert "no-such-draft" in err
 
 
-@pytest.mark.parametrize("bad", ["{not json", "[1, 2]", '{"method": "medusa"}', '{"num_speculative_tokens": 99}',
+@pytest.mark.parametrize("bad", ["{not json", "[1, 2]", '{"method": "lookahead"}', '{"num_speculative_tokens": 99}',
                                  '{"bogus_key": 1}'])
 def test_bad_speculative_config(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str], bad: str) -> None:
     err = run_error(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32",
                     "--speculative-config", bad, "hi")
     assert "speculative" in err or "num_speculative_tokens" in err
+
+
+def test_head_method_without_a_head_names_the_fix(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = run_error(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32",
+                    "--speculative-config", '{"method": "medusa"}', "hi")
+    assert "no head ships for this target" in err and "train-head" in err
 
 
 def test_bad_num_speculative_tokens(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -77,7 +77,8 @@ def test_head_round_trips(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
 def test_head_for_another_target_is_refused(tiny_llama_dir: Path, tiny_qwen_dir: Path, random_heads) -> None:
     with pytest.raises(IncompatibleHeadError, match="trained for target") as info:
-        LLM(str(tiny_qwen_dir), dtype="fp32", speculative_config={"method": "eagle", "model": str(random_heads["eagle"])})
+        LLM(str(tiny_qwen_dir), dtype="fp32",
+            speculative_config={"method": "eagle", "model": str(random_heads["eagle"])})
     assert "embedding_sha" in str(info.value)  # both fingerprints are named
 
 
