@@ -23,7 +23,7 @@ from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
 
-CATCH_UP_HORIZON_STEPS = 8
+CATCH_UP_HORIZON_STEPS = 16
 """Steps over which a draft's catch-up forward is amortised when deciding whether a row drafts."""
 
 
