@@ -407,3 +407,23 @@ def test_batch_engine_refuses_rows_that_do_not_fit(tiny_llama_dir, monkeypatch) 
         llm.batch_engine(max_num_seqs=64)
     monkeypatch.setattr(validation, "available_bytes", lambda device: 1 << 34)
     assert llm.batch_engine(max_num_seqs=2).max_num_seqs == 2
+
+
+def test_batch_cap_counts_the_draft_catch_up(tiny_llama_dir) -> None:
+    """A row whose drafter must first catch up on a long context only drafts if that pays (issue: serving)."""
+    from specdecode import LLM, SamplingParams
+    from specdecode.engine.batch import BatchCost
+
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram"})
+    engine = llm.batch_engine(max_num_seqs=2)
+    engine.cost = BatchCost(((1, 0.1), (64, 0.1)), 0.0)  # a flat forward: drafting alone is free
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for text in ("def add(a, b):", "The quick brown fox"):
+        engine.add(llm.new_sequence(text, params))
+    engine.step()
+    for r in engine.running:
+        r.proposer.catch_up_seconds = lambda view: 0.0
+    assert max(engine._choose_ks()) > 0
+    for r in engine.running:
+        r.proposer.catch_up_seconds = lambda view: 100.0  # e.g. a draft model's prefill of a huge prompt
+    assert engine._choose_ks() == [0, 0]
