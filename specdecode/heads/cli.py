@@ -36,7 +36,7 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
 def default_data_dir(target: str) -> Path:
     from specdecode.fetch import models_home
 
-    return models_home().parent / "head-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(target).name)
+    return models_home() / "head-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(target).name)
 
 
 def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint: dict) -> list[Path]:

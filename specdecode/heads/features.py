@@ -7,6 +7,7 @@ so an interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,13 @@ MAX_SEQ_TOKENS = 1024
 """Longer conversations are cut: the head's attention span in training, and the prefill cost."""
 LOGIT_CHUNK = 128
 """Positions per output-matrix product when taking the target's argmax (bounds the [T, V] buffer)."""
+
+
+def progress_bar(iterable=None, **kwargs) -> tqdm:  # noqa: ANN001 - tqdm's own signature
+    """A progress bar that also leaves a trace in logs: redrawn live on a terminal, a line every 30 s
+    otherwise (an hours-long job run with nohup still shows where it is)."""
+    live = sys.stderr.isatty()
+    return tqdm(iterable, mininterval=0.5 if live else 30.0, **kwargs)
 
 
 @dataclass
@@ -87,8 +95,7 @@ def generate_features(
 
     convs = iter(conversations if conversations is not None else training_conversations(seed))
     num_shards = -(-num_tokens // shard_tokens)
-    bar = tqdm(total=num_shards * shard_tokens, unit="tok", desc="target features", smoothing=0.1,
-               disable=None)
+    bar = progress_bar(total=num_shards * shard_tokens, unit="tok", desc="target features", smoothing=0.1)
     for index in range(num_shards):
         path = out_dir / f"shard-{index:05d}.safetensors"
         # Conversations are assigned to shards deterministically (greedy fill), so skipping a finished

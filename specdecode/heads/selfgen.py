@@ -11,9 +11,8 @@ import json
 import random
 from pathlib import Path
 
-from tqdm import tqdm
-
 from specdecode.heads.corpus import Messages, code_conversations, prose_conversations
+from specdecode.heads.features import progress_bar
 
 
 def self_distill_requests(count: int, seed: int = 1) -> list[str]:
@@ -36,7 +35,7 @@ def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     out_jsonl.parent.mkdir(parents=True, exist_ok=True)
     with out_jsonl.open("a") as f:
-        for request in tqdm(requests[len(done) :], desc="target answers", unit="answer", disable=None):
+        for request in progress_bar(requests[len(done) :], desc="target answers", unit="answer"):
             messages = [{"role": "user", "content": request}]
             answer = llm.chat([messages], params)[0].text
             conv = [*messages, {"role": "assistant", "content": answer}]

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from specdecode.heads.features import Shard, load_shard
+from specdecode.heads.features import Shard, load_shard, progress_bar
 from specdecode.heads.modules import DraftHead, EagleHead, MedusaHeads
 from specdecode.heads.persist import new_head, save_head
 from specdecode.model.transformer import Transformer
@@ -183,7 +182,7 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
     loss_fn = _eagle_loss if opts.kind == "eagle" else _medusa_loss
     started = time.monotonic()
     order: list[tuple[int, int]] = []
-    bar = tqdm(total=total_steps, initial=step, desc=f"train {opts.kind} head", unit="step", disable=None)
+    bar = progress_bar(total=total_steps, initial=step, desc=f"train {opts.kind} head", unit="step")
     last: dict[str, float] = {}
     history: list[dict[str, float]] = []  # this run's per-step losses (the summary uses the first/last 20)
     head.train()
