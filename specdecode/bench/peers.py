@@ -1,4 +1,4 @@
-"""Other engines on the same prompts: Hugging Face transformers and llama.cpp (llama-cpp-python).
+"""Other engines on the same prompts: Hugging Face transformers and llama.cpp (llama-cpp-python or llama-cpp-cffi).
 
 Each peer is an object that lists its method names without loading anything, loads its
 models in ``open()``, and hands the harness one ``generate(prompt_ids) -> output_ids``
@@ -22,6 +22,12 @@ Methods:
 
 llama.cpp runs through ``Llama.generate`` (the token loop under ``create_completion``) so
 that the exact output token ids are known: they are counted and compared like ours.
+
+Where ``llama_cpp`` (llama-cpp-python, an sdist that compiles llama.cpp) is not installed, the
+llama.cpp peer uses ``llama`` (llama-cpp-cffi, a binary wheel with a prebuilt CPU library; see
+``specdecode.bench.llamacpp_cffi``) instead: the same GGUF, prompt ids, greedy token loop and stops
+on llama.cpp's C API. That binding has no speculative decoding, so it gives ``llamacpp-plain`` only.
+Each method's settings name the binding and its version.
 """
 
 from __future__ import annotations
@@ -175,6 +181,25 @@ class TransformersPeer(Peer):
         super().close()
 
 
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def llamacpp_binding() -> str | None:
+    """Which llama.cpp binding the peer would use here (imports nothing), or None."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return "llama-cpp-python"
+    # ``llama`` is a common name: only llama-cpp-cffi's counts.
+    if importlib.util.find_spec("llama") is not None and _dist_version("llama-cpp-cffi") is not None:
+        return "llama-cpp-cffi"
+    return None
+
+
 class LlamaCppPeer(Peer):
     name = "llama.cpp"
     package = "llama_cpp"
@@ -182,30 +207,49 @@ class LlamaCppPeer(Peer):
     def __init__(self, ctx: PeerContext) -> None:
         super().__init__(ctx)
         self.llms: list[Any] = []
+        self.binding = llamacpp_binding()
+        if self.binding == "llama-cpp-cffi":
+            self.package = "llama"
 
     def available(self) -> str | None:
-        why = super().available()
+        if self.binding is None:
+            why = ("llama.cpp: skipped, neither 'llama_cpp' (pip install llama-cpp-python) nor 'llama' "
+                   "(pip install --no-deps llama-cpp-cffi==0.4.42) is installed")
+        else:
+            why = super().available()
         if why is None and (self.ctx.target_path.is_dir() or self.ctx.target_path.suffix != ".gguf"):
             why = f"llama.cpp: skipped, it needs a GGUF target (got {self.ctx.target_path})"
         return why
 
     def method_names(self) -> list[str]:
+        if self.binding == "llama-cpp-cffi":
+            return ["llamacpp-plain"]  # the binding has no speculative decoding
         return ["llamacpp-plain", "llamacpp-prompt-lookup"]
+
+    def _n_ctx(self) -> int:
+        return max(4096, self.ctx.max_prompt_tokens + self.ctx.max_tokens + 16)
+
+    def _settings(self, **extra: Any) -> dict[str, Any]:
+        version = _dist_version(self.binding or "") or "unknown"
+        return {"binding": f"{self.binding} {version}", "n_threads": self.ctx.threads, **extra}
 
     def _new_llama(self, draft_model: Any = None) -> Any:
         from llama_cpp import Llama
 
-        n_ctx = max(4096, self.ctx.max_prompt_tokens + self.ctx.max_tokens + 16)
-        llm = Llama(model_path=str(self.ctx.target_path), n_threads=self.ctx.threads, n_ctx=n_ctx,
+        llm = Llama(model_path=str(self.ctx.target_path), n_threads=self.ctx.threads, n_ctx=self._n_ctx(),
                     verbose=False, seed=self.ctx.seed, draft_model=draft_model)
         self.llms.append(llm)
         return llm
 
+    def _stop(self, llm: Any) -> set[int]:
+        stop = {int(llm.token_eos())}
+        if self.ctx.eos_token_id is not None:
+            stop.add(self.ctx.eos_token_id)
+        return stop
+
     def _make(self, llm: Any) -> GenerateFn:
         ctx = self.ctx
-        stop = {llm.token_eos()}
-        if ctx.eos_token_id is not None:
-            stop.add(ctx.eos_token_id)
+        stop = self._stop(llm)
         greedy = ctx.temperature <= 0
 
         def generate(ids: list[int]) -> list[int]:
@@ -222,15 +266,28 @@ class LlamaCppPeer(Peer):
 
         return generate
 
+    def _open_cffi(self) -> list[PeerMethod]:
+        from specdecode.bench.llamacpp_cffi import CffiLlama
+
+        ctx = self.ctx
+        llm = CffiLlama(ctx.target_path, n_threads=ctx.threads, n_ctx=self._n_ctx(), seed=ctx.seed,
+                        temperature=ctx.temperature)
+        self.llms.append(llm)
+        stop = self._stop(llm)
+        generate: GenerateFn = lambda ids: llm.generate(ids, ctx.max_tokens, stop)
+        return [PeerMethod("llamacpp-plain", generate, self._settings(backend="cpu"))]
+
     def open(self) -> list[PeerMethod]:
+        if self.binding == "llama-cpp-cffi":
+            return self._open_cffi()
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         plain = self._new_llama()
         lookup = self._new_llama(LlamaPromptLookupDecoding(num_pred_tokens=10))
         return [
-            PeerMethod("llamacpp-plain", self._make(plain), {"n_threads": self.ctx.threads}),
+            PeerMethod("llamacpp-plain", self._make(plain), self._settings()),
             PeerMethod("llamacpp-prompt-lookup", self._make(lookup),
-                       {"n_threads": self.ctx.threads, "num_pred_tokens": 10, "max_ngram_size": 2}),
+                       self._settings(num_pred_tokens=10, max_ngram_size=2)),
         ]
 
     def close(self) -> None:
