@@ -31,7 +31,7 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     save_head(new_head(target, "eagle", torch.arange(target.config.vocab_size)), tmp_path / "head")
     rc = main([
         "bench", "--model", str(tiny_llama_dir), "--draft", str(tiny_llama_dir), "--head", str(tmp_path / "head"),
-        "--methods", "plain,ngram,draft,eagle,eagle-chain",
+        "--methods", "plain,ngram,draft,eagle,eagle-chain,plain@int8-dynamic",
         "--dataset", str(data), "--per-task", "2", "--max-tokens", "8", "--dtype", "fp32",
         "--peers", "transformers,llama.cpp", "--bandwidth-gb", "0.05", "--no-progress", "--out", str(out),
     ])
@@ -41,7 +41,7 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     ours = [r for r in records if r["engine"] == "specdecode"]
-    assert len(ours) == 5 * 4
+    assert len(ours) == 6 * 4
     for r in records:
         for key in ("method", "task", "prompt_index", "prompt_tokens", "output_tokens", "seconds",
                     "tokens_per_second", "steps", "mean_accepted_length", "acceptance_rate", "token_ids"):
@@ -77,6 +77,9 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     md = (out / "summary.md").read_text()
     assert "## Overall" in md and "## code" in md and "## prose" in md and "specdecode bench --model" in md
     assert "of the floor" in md
+    assert set(s["memory_floors"]) == {"plain", "plain@int8-dynamic"}
+    assert s["memory_floors"]["plain@int8-dynamic"]["weight_bytes_per_token"] < floor["weight_bytes_per_token"] / 3
+    assert "### Memory floor by target format" in md
     assert "## Comparison table" in md and "| eagle | EAGLE-style head, dynamic tree |" in md
     assert "| eagle-chain | EAGLE-style head, chain |" in md
 

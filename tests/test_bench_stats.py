@@ -125,6 +125,12 @@ def test_parse_method():
         parse_method("medusa", "d", {"eagle": "e"})
     with pytest.raises(ValueError):
         parse_method("ngram-tree", None)
+    q = parse_method("draft-k4@int8-dynamic", "d")
+    assert (q.name, q.quantization, q.speculative_config["num_speculative_tokens"]) == ("draft-k4@int8-dynamic",
+                                                                                        "int8-dynamic", 4)
+    assert parse_method("plain@int4", None).speculative_config is None
+    with pytest.raises(ValueError, match="target format"):
+        parse_method("plain@int3", None)
 
 
 def test_datasets_load_and_select():

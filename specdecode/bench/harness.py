@@ -239,7 +239,8 @@ class BenchRun:
         self.notes: list[str] = []
         self.prompt_ids: list[list[int]] | None = None
         self.eos_token_id: int | None = None
-        self.weight_info: dict[str, Any] | None = None
+        self.plain_weights: dict[str, dict[str, Any]] = {}
+        """Weight bytes read per token of each plain method's target (one per format)."""
 
     # ---- ours ----
 
@@ -257,13 +258,14 @@ class BenchRun:
         with RssSampler() as sampler:
             llm, load_seconds = _timed(lambda: LLM(cfg.model, dtype=cfg.dtype, device=cfg.device,
                                                    speculative_config=spec.speculative_config,
-                                                   max_model_len=cfg.max_model_len, seed=cfg.seed))
+                                                   max_model_len=cfg.max_model_len, seed=cfg.seed,
+                                                   quantization=spec.quantization))
             rss_loaded = current_rss()
             if self.prompt_ids is None:  # the target's chat template, once, shared by every method
                 self.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in prompts]
                 self.eos_token_id = llm.tokenizer.eos_token_id
-            if spec.name == "plain" or self.weight_info is None:
-                self.weight_info = {"method": spec.name, **weight_bytes_per_token(llm.target.model)}
+            if spec.speculative_config is None:  # a plain run: its format's memory floor is reported
+                self.plain_weights[spec.name] = {"method": spec.name, **weight_bytes_per_token(llm.target.model)}
             params = self._params()
             if cfg.warmup:
                 bar.set_postfix_str(f"{spec.name}: warm-up")
@@ -390,16 +392,17 @@ class BenchRun:
         for method, res in self.resources.items():
             if method in summary["by_method"]:
                 summary["by_method"][method]["resources"] = res
-        floor = None
-        if bandwidth is not None and self.weight_info is not None and self.weight_info["bytes"]:
-            floor_tps = memory_floor(bandwidth["read_gb_per_s"], self.weight_info["bytes"])
-            plain_overall = summary["by_method"].get("plain", {}).get("overall", {})
-            plain = plain_overall.get("tokens_per_second")
-            plain_decode = plain_overall.get("decode_tokens_per_second")
-            floor = {
-                "weight_bytes_per_token": self.weight_info["bytes"],
-                "embedding_bytes_excluded": self.weight_info["embedding_bytes_excluded"],
-                "weight_bytes_by_module_type": self.weight_info["by_module_type"],
+        floors = {}
+        for method, info in self.plain_weights.items():
+            if bandwidth is None or not info["bytes"] or method not in summary["by_method"]:
+                continue
+            floor_tps = memory_floor(bandwidth["read_gb_per_s"], info["bytes"])
+            overall = summary["by_method"][method]["overall"]
+            plain, plain_decode = overall.get("tokens_per_second"), overall.get("decode_tokens_per_second")
+            floors[method] = {
+                "weight_bytes_per_token": info["bytes"],
+                "embedding_bytes_excluded": info["embedding_bytes_excluded"],
+                "weight_bytes_by_module_type": info["by_module_type"],
                 "bandwidth_gb_per_s": bandwidth["read_gb_per_s"],
                 "floor_tokens_per_second": floor_tps,
                 "plain_tokens_per_second": plain,
@@ -407,6 +410,7 @@ class BenchRun:
                 "plain_decode_tokens_per_second": plain_decode,
                 "plain_decode_fraction_of_floor": plain_decode / floor_tps if plain_decode and floor_tps else None,
             }
+        floor = floors.get("plain")
         config = asdict(cfg)
         config["out"] = str(cfg.out)
         return {
@@ -420,6 +424,7 @@ class BenchRun:
             "prompt_tokens_total": sum(len(i) for i in self.prompt_ids or []),
             "bandwidth": bandwidth,
             "memory_floor": floor,
+            "memory_floors": floors,
             "process_peak_rss_bytes": process_peak_rss(),
             "notes": self.notes,
             **summary,

@@ -8,23 +8,37 @@ from typing import Any
 
 _METHOD_RE = re.compile(r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree)?(?:-k(\d+))?$")
 METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
-               "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default)")
+               "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default); "
+               "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4; default exact)")
+TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
+"""Target formats a method may name after "@" (model/fast_linear.py's QUANTIZATIONS)."""
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
     speculative_config: dict[str, Any] | None
+    quantization: str = "none"
+    """Target weight format for this method (the exact target by default)."""
 
 
 def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = None) -> MethodSpec:
-    """``plain``, ``ngram``, ``draft``, ``eagle``, ``medusa``, optionally ``-chain``/``-tree`` and ``-kN``."""
-    m = _METHOD_RE.match(name.strip())
+    """``plain``, ``ngram``, ``draft``, ``eagle``, ``medusa``, optionally ``-chain``/``-tree``, ``-kN`` and
+    ``@FORMAT`` (target quantization)."""
+    name = name.strip()
+    base, _, quant = name.partition("@")
+    if quant:
+        if quant not in TARGET_QUANTIZATIONS:
+            choices = ", ".join(TARGET_QUANTIZATIONS)
+            raise ValueError(f"unknown target format {quant!r} in {name!r}; use one of {choices}")
+        spec = parse_method(base, draft, heads)
+        return MethodSpec(name, spec.speculative_config, quant)
+    m = _METHOD_RE.match(name)
     if m is None or (m.group(1) in ("plain", "ngram") and m.group(2)) or (m.group(1) == "plain" and m.group(3)):
         raise ValueError(f"unknown method {name!r}: {METHOD_HELP}")
     kind, shape, k = m.groups()
     if kind == "plain":
-        return MethodSpec("plain", None)
+        return MethodSpec(name, None)
     cfg: dict[str, Any] = {"method": kind, "num_speculative_tokens": int(k) if k is not None else "auto"}
     if kind == "draft":
         if not draft:
@@ -37,4 +51,4 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         cfg["model"] = head
     if shape is not None:
         cfg["draft_tree_width"] = 1 if shape == "-chain" else 0
-    return MethodSpec(name.strip(), cfg)
+    return MethodSpec(name, cfg)

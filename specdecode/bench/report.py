@@ -176,6 +176,16 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
         )
     else:
         parts.append("Not measured (`--bandwidth-gb 0`).")
+    floors = summary.get("memory_floors") or {}
+    if len(floors) > 1 or (floors and "plain" not in floors):
+        parts += ["", "### Memory floor by target format", "",
+                  "| plain method | weight bytes / token | floor tok/s | decode tok/s | floor ÷ decode |",
+                  "|---|---:|---:|---:|---:|"]
+        for method, fl in floors.items():
+            frac = fl.get("plain_decode_fraction_of_floor")
+            parts.append(f"| {method} | {_bytes(fl['weight_bytes_per_token'])} | "
+                         f"{_f(fl['floor_tokens_per_second'], '{:.1f}')} | "
+                         f"{_f(fl.get('plain_decode_tokens_per_second'))} | {_f(1 / frac if frac else None)}× |")
 
     pos_lines = []
     width = 0

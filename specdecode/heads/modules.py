@@ -54,7 +54,7 @@ class DraftHead(nn.Module):
         if not isinstance(weight, torch.Tensor):
             raise RuntimeError("attach the head before converting the target's linears (needs its output matrix)")
         d2t = self.d2t.to(weight.device)
-        self.lm_head.weight = nn.Parameter(weight.detach()[d2t].clone(), requires_grad=False)
+        self.lm_head.weight = nn.Parameter(weight.detach()[d2t].to(self.dtype).clone(), requires_grad=False)
         self._embed = target.model.embed_tokens.weight.detach()
         self.target_vocab_size = target.config.vocab_size
         return self
