@@ -82,6 +82,10 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert "### Memory floor by target format" in md
     assert "## Comparison table" in md and "| eagle | EAGLE-style head, dynamic tree |" in md
     assert "| eagle-chain | EAGLE-style head, chain |" in md
+    assert "| plain@int8-dynamic | autoregressive (no speculation), int8-dynamic target |" in md
+    res = s["by_method"]["eagle"]["resources"]
+    assert res["speculation_bytes"] > 0 and res["target_weight_bytes"] > 0
+    assert s["by_method"]["plain"]["resources"]["speculation_bytes"] == 0
 
 
 def test_llamacpp_peer_with_a_fake_module(monkeypatch: pytest.MonkeyPatch) -> None:

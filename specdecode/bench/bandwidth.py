@@ -108,6 +108,18 @@ def weight_bytes_per_token(model: nn.Module) -> dict[str, Any]:
     return {"bytes": sum(counted.values()), "embedding_bytes_excluded": excluded, "by_module_type": by_kind}
 
 
+def module_bytes(module: nn.Module) -> int:
+    """Bytes a module's unique tensors (and opaque packed weights) occupy, embeddings included."""
+    seen: dict[tuple[Any, ...], int] = {}
+    for _, sub in module.named_modules():
+        for _, t in _module_tensors(sub):
+            seen.setdefault(_tensor_key(t), _tensor_bytes(t))
+        opaque = getattr(sub, "packed_nbytes", 0)
+        if opaque:
+            seen[("opaque", id(sub))] = opaque
+    return sum(seen.values())
+
+
 def memory_floor(bandwidth_gb_per_s: float, weight_bytes: int) -> float:
     """Upper bound on plain tokens/s when every weight byte is read once per token."""
     return bandwidth_gb_per_s * 1e9 / weight_bytes if weight_bytes else float("inf")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from specdecode.bench import stats
-from specdecode.bench.bandwidth import measure_bandwidth, memory_floor, weight_bytes_per_token
+from specdecode.bench.bandwidth import measure_bandwidth, memory_floor, module_bytes, weight_bytes_per_token
 from specdecode.bench.datasets import BenchPrompt, load_prompts
 from specdecode.bench.methods import MethodSpec, parse_method
 from specdecode.bench.peers import PeerContext, make_peers, parse_peers
@@ -198,6 +198,22 @@ def _generate_ours(llm: Any, ids: list[int], params: Any) -> tuple[Any, list[int
     return out, *(metrics_counts or (None, None))
 
 
+def _engine_memory(llm: Any) -> dict[str, int]:
+    """Bytes of the target's weights and of what speculation adds: the draft model or head (shared
+    target tensors not counted) and the proposer's own caches (draft KV cache, head features)."""
+    extra = 0
+    if llm.draft is not None:
+        extra += module_bytes(llm.draft.model)
+    if llm.head is not None:
+        extra += module_bytes(llm.head)
+    proposer = llm.decoder.proposer
+    for name in ("cache", "features"):
+        buf = getattr(proposer, name, None)
+        if buf is not None:
+            extra += buf.nbytes() if hasattr(buf, "nbytes") and callable(buf.nbytes) else buf.nbytes
+    return {"target_weight_bytes": module_bytes(llm.target.model), "speculation_bytes": extra}
+
+
 def _ours_record(method: str, prompt: BenchPrompt, ids: list[int], out: Any, seconds: float,
                  accepted: list[int] | None, drafted: list[int] | None) -> dict[str, Any]:
     rec = _base_record(method, "specdecode", prompt, ids, list(out.token_ids), seconds)
@@ -264,6 +280,7 @@ class BenchRun:
             if self.prompt_ids is None:  # the target's chat template, once, shared by every method
                 self.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in prompts]
                 self.eos_token_id = llm.tokenizer.eos_token_id
+            memory = _engine_memory(llm)
             if spec.speculative_config is None:  # a plain run: its format's memory floor is reported
                 self.plain_weights[spec.name] = {"method": spec.name, **weight_bytes_per_token(llm.target.model)}
             params = self._params()
@@ -279,7 +296,7 @@ class BenchRun:
         self.resources[spec.name] = {
             "engine": "specdecode", "speculative_config": spec.speculative_config, "load_seconds": load_seconds,
             "rss_before_load_bytes": rss_before, "rss_after_load_bytes": rss_loaded,
-            "rss_after_run_bytes": rss_after, "peak_rss_bytes": sampler.peak,
+            "rss_after_run_bytes": rss_after, "peak_rss_bytes": sampler.peak, **memory,
         }
         llm = None  # free the engine before the next method's is built
         gc.collect()

@@ -93,31 +93,34 @@ _FAMILIES = {"plain": "autoregressive (no speculation)", "ngram": "n-gram prompt
 
 
 def _family(method: str, config: dict[str, Any] | None) -> str:
-    kind = method.split("-")[0]
+    base, _, quant = method.partition("@")
+    kind = base.split("-")[0]
     name = _FAMILIES.get(kind, kind)
     if kind in ("draft", "eagle", "medusa"):
         width = (config or {}).get("draft_tree_width")
         tree = width != 1 if kind != "draft" else width not in (None, 1)
         name += ", dynamic tree" if tree else ", chain"
-    return name
+    return name + (f", {quant} target" if quant else "")
 
 
 def comparison_table(summary: dict[str, Any]) -> str:
     """The field's comparison (plain, n-gram, draft chain, tree head ...): acceptance, τ, speedup and the
-    memory each method adds to plain decoding (resident memory its engine added at load, minus plain's)."""
+    memory each method adds to plain decoding (draft model or head weights, its caches, and the change of
+    the target's own weights for a quantized target); peers: not measured."""
     by = summary["by_method"]
 
-    def loaded(method: str) -> float | None:  # what building the engine added to the process (weights, caches)
+    def added(method: str) -> float | None:  # target weights + what speculation adds (draft/head, caches)
         res = by.get(method, {}).get("resources", {})
-        before, after = res.get("rss_before_load_bytes"), res.get("rss_after_load_bytes")
-        return after - before if before is not None and after is not None else None
+        if "target_weight_bytes" not in res:
+            return None
+        return res["target_weight_bytes"] + res["speculation_bytes"]
 
-    plain = loaded("plain")
+    plain = added("plain")
     lines = ["| method | kind | acceptance rate | τ | speedup | extra memory vs plain (GiB) |",
              "|---|---|---:|---:|---:|---:|"]
     for method in summary["methods"]:
         s = by[method]["overall"]
-        mine = loaded(method)
+        mine = added(method)
         extra = mine - plain if (mine is not None and plain is not None) else None
         cfg = by[method].get("resources", {}).get("speculative_config")
         lines.append(f"| {method} | {_family(method, cfg)} | {_f(s['acceptance_rate'], '{:.0%}')} "
