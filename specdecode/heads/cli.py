@@ -28,6 +28,7 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab", type=int, default=32768, help="output rows of the head (most frequent ids)")
     p.add_argument("--intermediate-size", type=int, default=None, help="EAGLE MLP width (default 2 x hidden)")
     p.add_argument("--num-heads", type=int, default=4, help="Medusa heads")
+    p.add_argument("--unroll-steps", type=int, default=2, help="EAGLE: steps trained on its own predictions")
     p.add_argument("--budget-minutes", type=float, default=None, help="stop training after this long (resumable)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.set_defaults(func=run_train_head)
@@ -82,7 +83,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     target = load_model(args.target, "bf16").model
     opts = TrainOptions(kind=args.kind, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab,
                         intermediate_size=args.intermediate_size, num_medusa_heads=args.num_heads,
-                        budget_minutes=args.budget_minutes)
+                        budget_minutes=args.budget_minutes, unroll_steps=args.unroll_steps)
     always = [i for i in (tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)]
     always = [i for i in always if 0 <= i < target.config.vocab_size]
     head = train_head(target, shards, args.out, opts, always,

@@ -112,8 +112,12 @@ class EagleHead(DraftHead):
         """Predicted features at j + 1 [B, T, D]. Without a cache: whole causal sequences (training)."""
         x = self.fc(torch.cat([self.embed(tokens).to(features.dtype), features], dim=-1))
         if cache is None:
+            # The keys are this call's own: causal over local indices, rope at the given positions.
             t = tokens.shape[1]
-            cos, sin, kv_len, mask, slots = attention_inputs(self._rope_for(t), x.dtype, positions, t, None, None)
+            local = positions - positions[:, :1]
+            cos, sin, kv_len, mask, slots = attention_inputs(
+                self._rope_for(int(positions.max()) + 1), x.dtype, positions, t, local, None
+            )
         else:
             cos, sin, kv_len, mask, slots = attention_inputs(
                 self._rope_for(cache.max_len), x.dtype, positions, cache.max_len, slots, attn_mask

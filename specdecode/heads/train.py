@@ -44,6 +44,10 @@ class TrainOptions:
     feature_noise: float = 0.1
     """Uniform noise amplitude on input features, relative to their standard deviation."""
     ce_weight: float = 0.1
+    unroll_steps: int = 2
+    """EAGLE: training steps that feed the head its own predicted features (1 = teacher forcing only)."""
+    normalize_regression: bool = True
+    """EAGLE: regress features scaled per dimension by their spread in the data."""
     budget_minutes: float | None = None
     max_steps: int | None = None
     """Stop (resumably) after this many steps in total."""
@@ -100,25 +104,46 @@ def _batch(corpus: Corpus, picks: list[tuple[int, int]]) -> tuple[torch.Tensor, 
     return feats, toks, nxt_feats, labels, mask
 
 
+def _eagle_step_loss(head: EagleHead, pred: torch.Tensor, nxt_feats: torch.Tensor, labels: torch.Tensor,
+                     mask: torch.Tensor, t2d: torch.Tensor, opts: TrainOptions,
+                     feature_scale: torch.Tensor) -> tuple[torch.Tensor, float, float, float]:
+    """Loss of predicted features [B, T, D] against the target's: (loss, reg, ce, top-1)."""
+    # Per-dimension scaling: a few massive-activation dimensions would otherwise own the regression.
+    reg = F.smooth_l1_loss(pred[mask] / feature_scale, nxt_feats[mask] / feature_scale)
+    logits = head.draft_logits(pred[mask])  # [M, Vd]
+    target_cls = t2d[labels[mask]]  # -1 where the target's token is outside the draft vocabulary
+    keep = target_cls >= 0
+    ce = (F.cross_entropy(logits, target_cls.clamp(min=0), reduction="none") * keep).sum() / keep.sum().clamp(min=1)
+    acc = ((logits.argmax(-1) == target_cls) & keep).float().mean()
+    return reg + opts.ce_weight * ce, reg.item(), ce.item(), acc.item()
+
+
 def _eagle_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
-                gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+                gen: torch.Generator, feature_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Step 1 on the target's (noisy) features; each further unrolled step feeds the previous step's
+    predictions back as features, as drafting does (the head learns to continue from its own guesses)."""
     feats, toks, nxt_feats, labels, mask = batch
     scale = feats[mask].std()
     noisy = feats + (torch.rand(feats.shape, generator=gen) - 0.5) * 2 * opts.feature_noise * scale
     positions = torch.arange(feats.shape[1])[None].expand(feats.shape[0], -1)
-    pred = head(noisy, toks, positions)  # [B, T, D]
-    reg = F.smooth_l1_loss(pred[mask], nxt_feats[mask])
-    logits = head.draft_logits(pred[mask])  # [M, Vd]
-    target_cls = t2d[labels[mask]]  # -1 where the target's token is outside the draft vocabulary
-    ce = F.cross_entropy(logits, target_cls.clamp(min=0), reduction="none")
-    keep = target_cls >= 0
-    ce = (ce * keep).sum() / keep.sum().clamp(min=1)
-    acc = ((logits.argmax(-1) == target_cls) & keep).float().mean()
-    return reg + opts.ce_weight * ce, {"reg": reg.item(), "ce": ce.item(), "top1": acc.item()}
+    pred = head(noisy, toks, positions)  # [B, T, D]: predicted feature j+1 from (feature j, token j+1)
+    total, reg, ce, top1 = _eagle_step_loss(head, pred, nxt_feats, labels, mask, t2d, opts, feature_scale)
+    stats = {"reg": reg, "ce": ce, "top1": top1}
+    for k in range(1, opts.unroll_steps):
+        if pred.shape[1] <= 1:
+            break
+        # (predicted feature j+k, token j+k+1) at position j+k -> feature j+k+1
+        pred = head(pred[:, :-1], toks[:, 1:], positions[:, k:])
+        toks, nxt_feats, labels, mask = toks[:, 1:], nxt_feats[:, 1:], labels[:, 1:], mask[:, 1:]
+        loss_k, _, ce_k, top1_k = _eagle_step_loss(head, pred, nxt_feats, labels, mask, t2d, opts, feature_scale)
+        total = total + loss_k
+        stats[f"top1_step{k + 1}"] = top1_k
+        stats[f"ce_step{k + 1}"] = ce_k
+    return total, stats
 
 
 def _medusa_loss(head: MedusaHeads, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
-                 gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+                 gen: torch.Generator, feature_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     feats, _, _, labels, mask = batch  # labels[:, j] = target's token after position j + 1
     total = torch.zeros(())
     stats: dict[str, float] = {}
@@ -180,6 +205,9 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
 
     out_dir.mkdir(parents=True, exist_ok=True)
     loss_fn = _eagle_loss if opts.kind == "eagle" else _medusa_loss
+    # Per-dimension spread of the target's features (a sample of positions is plenty).
+    sample = corpus.hidden[:: max(1, len(corpus.hidden) // 20000)].float()
+    feature_scale = sample.std(0).clamp(min=1e-3) if opts.normalize_regression else torch.ones(sample.shape[1])
     started = time.monotonic()
     order: list[tuple[int, int]] = []
     bar = progress_bar(total=total_steps, initial=step, desc=f"train {opts.kind} head", unit="step")
@@ -198,7 +226,7 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=target.device.type == "cpu"):
-            loss, last = loss_fn(head, _batch(corpus, picks), t2d, opts, gen)  # type: ignore[arg-type]
+            loss, last = loss_fn(head, _batch(corpus, picks), t2d, opts, gen, feature_scale)  # type: ignore[arg-type]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
