@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, SequenceView
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, TreeLevel, grow_tree, level_width
@@ -29,7 +30,8 @@ class DraftModelProposer:
         """Tree nodes per step when the width is dynamic (set from the engine's cost model)."""
         self.tree_branching = tree_branching
         """Candidates (top-b draft tokens) expanded per kept node."""
-        self.cache = model.new_cache(1, max_len + MAX_TREE_NODES)
+        self._cache: KVCache | None = None
+        self._cache_len = max_len + MAX_TREE_NODES
         self.num_cached = 0
         """Tokens of the sequence whose K/V are valid in our cache (slots [0, num_cached))."""
         self._cost = 0.0
@@ -39,8 +41,16 @@ class DraftModelProposer:
         # Nothing is fed yet: the first `propose` catches the cache up on the prompt (and anything
         # generated meanwhile) in one forward. A request that never drafts (k = 0 under load, or a
         # useless drafter) never pays for the draft's prefill.
-        self.cache.reset()
+        if self._cache is not None:
+            self._cache.reset()
         self.num_cached = 0
+
+    @property
+    def cache(self) -> KVCache:
+        """Allocated on first use: a request that never drafts (served under load) never pays for it."""
+        if self._cache is None:
+            self._cache = self.model.new_cache(1, self._cache_len)
+        return self._cache
 
     def _feed(self, ids: list[int]) -> torch.Tensor | None:
         """Append ids to our cache; returns fp32 logits of the last one [V]."""
@@ -91,7 +101,8 @@ class DraftModelProposer:
         # Our cache holds the prefix plus the first k-1 draft tokens; keep only accepted ones.
         valid = len(seq.token_ids) - 1  # everything but the step's new token is final
         self.num_cached = min(self.num_cached, valid)
-        self.cache.set_length(0, self.num_cached)
+        if self._cache is not None:
+            self._cache.set_length(0, self.num_cached)
 
     def step_cost_hint(self) -> float:
         """Seconds of one single-token draft forward, measured once (median of 5 after a warm-up); the
