@@ -119,7 +119,8 @@ def test_training_learns_and_resumes(tiny_llama_dir: Path, tiny_features, tmp_pa
     _, shards = tiny_features
     target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
     opts = TrainOptions(kind=kind, epochs=12, window=64, batch_windows=4, lr=3e-3, warmup_steps=5,
-                        draft_vocab_size=200, checkpoint_every=5, max_steps=10)
+                        draft_vocab_size=200, checkpoint_every=5, max_steps=10, unroll_steps=2,
+                        normalize_regression=True)
     first = train_head(target, shards, tmp_path, opts, always_ids=[2])
     assert first.config.training["steps"] == 10 and (tmp_path / "checkpoint.pt").exists()
     opts.max_steps = None

@@ -28,7 +28,10 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab", type=int, default=32768, help="output rows of the head (most frequent ids)")
     p.add_argument("--intermediate-size", type=int, default=None, help="EAGLE MLP width (default 2 x hidden)")
     p.add_argument("--num-heads", type=int, default=4, help="Medusa heads")
-    p.add_argument("--unroll-steps", type=int, default=2, help="EAGLE: steps trained on its own predictions")
+    p.add_argument("--unroll-steps", type=int, default=1,
+                   help="EAGLE: training steps that feed the head its own predicted features (default 1)")
+    p.add_argument("--normalize-regression", action="store_true",
+                   help="EAGLE: scale the feature regression per dimension by its spread in the data")
     p.add_argument("--budget-minutes", type=float, default=None, help="stop training after this long (resumable)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.set_defaults(func=run_train_head)
@@ -83,7 +86,8 @@ def run_train_head(args: argparse.Namespace) -> int:
     target = load_model(args.target, "bf16").model
     opts = TrainOptions(kind=args.kind, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab,
                         intermediate_size=args.intermediate_size, num_medusa_heads=args.num_heads,
-                        budget_minutes=args.budget_minutes, unroll_steps=args.unroll_steps)
+                        budget_minutes=args.budget_minutes, unroll_steps=args.unroll_steps,
+                        normalize_regression=args.normalize_regression)
     always = [i for i in (tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)]
     always = [i for i in always if 0 <= i < target.config.vocab_size]
     head = train_head(target, shards, args.out, opts, always,
