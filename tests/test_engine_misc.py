@@ -427,3 +427,12 @@ def test_batch_cap_counts_the_draft_catch_up(tiny_llama_dir) -> None:
     for r in engine.running:
         r.proposer.catch_up_seconds = lambda view: 100.0  # e.g. a draft model's prefill of a huge prompt
     assert engine._choose_ks() == [0, 0]
+    # A catch-up that pays when spread over the next steps does not during a dip in the load (the batch
+    # held 4 rows a moment ago: the rows about to join would cap drafting again).
+    for r in engine.running:
+        r.proposer.catch_up_seconds = lambda view: 0.5
+    engine._recent_rows.clear()
+    engine._recent_rows.append(2)
+    assert max(engine._choose_ks()) > 0
+    engine._recent_rows.append(4)
+    assert engine._choose_ks() == [0, 0]

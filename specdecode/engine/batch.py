@@ -9,6 +9,8 @@ forward over the whole batch, so speculation shrinks toward 0 under load.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +25,8 @@ from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
 
+STEP_LOG = os.environ.get("SPECDECODE_STEP_LOG")
+"""A file to append one JSON line per batch step to (rows, chosen k, draft and step seconds)."""
 CATCH_UP_HORIZON_STEPS = 16
 """Steps over which a draft's catch-up forward is amortised when deciding whether a row drafts."""
 
@@ -86,6 +90,8 @@ class BatchEngine:
         self.waiting: deque[tuple[Sequence, int | None]] = deque()
         self.cost: BatchCost | None = None
         self.last_step_seconds = 0.0
+        self._recent_rows: deque[int] = deque(maxlen=8)
+        """Rows running or waiting at each of the last steps (tells a dip from a lower load)."""
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -186,7 +192,10 @@ class BatchEngine:
             return wants
         # A k the user fixed (server-wide or per request) is honoured; only adaptive rows are capped.
         adaptive = [r.policy is not None and r.policy.fixed_k is None for r in self.running]
-        catch_up = [self._catch_up_share(r) for r in self.running]
+        # A dip below the recent batch size (requests finishing just before the next ones arrive) is
+        # transient: a row that would have to catch up first pays it all now, not over 16 steps.
+        dip = max(self._recent_rows, default=0) > len(self.running)
+        catch_up = [self._catch_up_share(r, dip) for r in self.running]
         n = len(wants)
         best_cap, best_rate = 0, -1.0
         for cap in range(max(wants) + 1):
@@ -201,7 +210,7 @@ class BatchEngine:
         return [min(w, best_cap) if a else w for w, a in zip(wants, adaptive, strict=True)]
 
     @staticmethod
-    def _catch_up_share(r: Running) -> float:
+    def _catch_up_share(r: Running, dip: bool = False) -> float:
         """A row's draft catch-up (feeding what its proposer has not seen since it last drafted) spread
         over the steps it is likely to serve: one long catch-up is paid once, not every step, but a row
         that pauses and resumes drafting pays it again. Without this, rows admitted with the prior
@@ -210,7 +219,8 @@ class BatchEngine:
         if estimate is None:
             return 0.0
         left = r.seq.params.max_tokens - r.seq.num_output
-        return estimate(r.seq.view()) / max(1, min(CATCH_UP_HORIZON_STEPS, left // 2))
+        horizon = 1 if dip else max(1, min(CATCH_UP_HORIZON_STEPS, left // 2))
+        return estimate(r.seq.view()) / horizon
 
     def step(self) -> list[Sequence]:
         """Admit waiting requests, run one verify pass over all running ones; returns sequences with news."""
@@ -218,6 +228,7 @@ class BatchEngine:
         touched = self._admit()
         if not self.running:
             return touched
+        self._recent_rows.append(len(self.running) + len(self.waiting))
         ks = self._choose_ks()
         t0 = time.perf_counter()
         drafts = [
@@ -263,6 +274,11 @@ class BatchEngine:
         for i in reversed(finished_rows):
             self._release(i)
         self.last_step_seconds = time.perf_counter() - t_start
+        if STEP_LOG is not None:  # diagnosing load-aware drafting: one JSON line per step
+            with open(STEP_LOG, "a") as f:
+                f.write(json.dumps({"rows": n, "ks": ks, "drafted": [len(d) for d in drafts],
+                                    "admitted": len(touched) - n, "draft_s": round(t1 - t0, 4),
+                                    "step_s": round(self.last_step_seconds, 4)}) + "\n")
         return touched
 
     # ---- start-up measurement ----------------------------------------------------------------------
