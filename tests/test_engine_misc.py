@@ -416,23 +416,32 @@ def test_batch_cap_counts_the_draft_catch_up(tiny_llama_dir) -> None:
 
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram"})
     engine = llm.batch_engine(max_num_seqs=2)
-    engine.cost = BatchCost(((1, 0.1), (64, 0.1)), 0.0)  # a flat forward: drafting alone is free
+    engine.cost = BatchCost(((1, 0.1), (64, 0.1)), 0.0, 0.01)  # a flat forward; catch-up 10 ms per token
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for text in ("def add(a, b):", "The quick brown fox"):
         engine.add(llm.new_sequence(text, params))
     engine.step()
     for r in engine.running:
-        r.proposer.catch_up_seconds = lambda view: 0.0
+        r.proposer.catch_up_tokens = lambda view: 0
     assert max(engine._choose_ks()) > 0
     for r in engine.running:
-        r.proposer.catch_up_seconds = lambda view: 100.0  # e.g. a draft model's prefill of a huge prompt
+        r.proposer.catch_up_tokens = lambda view: 10_000  # e.g. a draft model's prefill of a huge prompt
     assert engine._choose_ks() == [0, 0]
     # A catch-up that pays when spread over the next steps does not during a dip in the load (the batch
     # held 4 rows a moment ago: the rows about to join would cap drafting again).
     for r in engine.running:
-        r.proposer.catch_up_seconds = lambda view: 0.5
+        r.proposer.catch_up_tokens = lambda view: 50
     engine._recent_rows.clear()
     engine._recent_rows.append(2)
     assert max(engine._choose_ks()) > 0
     engine._recent_rows.append(4)
     assert engine._choose_ks() == [0, 0]
+
+
+def test_draft_proposer_reports_its_catch_up(tiny_llama_dir) -> None:
+    from specdecode import LLM
+    from specdecode.engine.batch import BatchCost  # noqa: F401 - the field this feeds
+
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "draft", "model": str(tiny_llama_dir)})
+    engine = llm.batch_engine(max_num_seqs=2)
+    assert engine.cost is not None and engine.cost.catch_up_token_seconds > 0  # measured on a probe proposer

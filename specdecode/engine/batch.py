@@ -49,6 +49,8 @@ class BatchCost:
 
     points: tuple[tuple[int, float], ...]
     draft_step_seconds: float = 0.0
+    catch_up_token_seconds: float = 0.0
+    """Seconds per token a drafter spends catching up on context it has not seen (draft-model prefill)."""
 
     def forward_seconds(self, tokens: int) -> float:
         pts = self.points
@@ -209,18 +211,17 @@ class BatchEngine:
                 best_cap, best_rate = cap, rate
         return [min(w, best_cap) if a else w for w, a in zip(wants, adaptive, strict=True)]
 
-    @staticmethod
-    def _catch_up_share(r: Running, dip: bool = False) -> float:
+    def _catch_up_share(self, r: Running, dip: bool = False) -> float:
         """A row's draft catch-up (feeding what its proposer has not seen since it last drafted) spread
         over the steps it is likely to serve: one long catch-up is paid once, not every step, but a row
         that pauses and resumes drafting pays it again. Without this, rows admitted with the prior
         acceptance, or probing under load, paid a whole-context draft prefill for a step or two."""
-        estimate = getattr(r.proposer, "catch_up_seconds", None)
-        if estimate is None:
+        tokens = getattr(r.proposer, "catch_up_tokens", None)
+        if tokens is None or self.cost is None:
             return 0.0
         left = r.seq.params.max_tokens - r.seq.num_output
         horizon = 1 if dip else max(1, min(CATCH_UP_HORIZON_STEPS, left // 2))
-        return estimate(r.seq.view()) / horizon
+        return tokens(r.seq.view()) * self.cost.catch_up_token_seconds / horizon
 
     def step(self) -> list[Sequence]:
         """Admit waiting requests, run one verify pass over all running ones; returns sequences with news."""
@@ -304,6 +305,9 @@ class BatchEngine:
                     best = min(best, time.perf_counter() - t0)
                 points[b * w] = min(points.get(b * w, best), best)
         self.cache.reset()
-        draft = self.proposer_factory().step_cost_hint() if self.proposer_factory is not None else 0.0
-        self.cost = BatchCost(tuple(sorted(points.items())), draft)
+        probe = self.proposer_factory() if self.proposer_factory is not None else None
+        draft = probe.step_cost_hint() if probe is not None else 0.0
+        # Measured once on a probe proposer; every row's estimate uses it (rows never measure).
+        catch_up = float(getattr(probe, "catch_up_token_seconds", 0.0))
+        self.cost = BatchCost(tuple(sorted(points.items())), draft, catch_up)
         return self.cost

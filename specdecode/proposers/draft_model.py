@@ -128,11 +128,16 @@ class DraftModelProposer:
             self.num_cached = 0
         return self._cost
 
-    def catch_up_seconds(self, seq: SequenceView) -> float:
-        """Estimated seconds the next propose spends feeding the tokens our cache has not seen (the
-        prompt on the first draft, everything since the last draft after a pause)."""
+    def catch_up_tokens(self, seq: SequenceView) -> int:
+        """Tokens the next propose must feed before drafting (the prompt on the first draft, everything
+        since the last draft after a pause); 0 when only the newest token is new."""
         lag = len(seq.token_ids) - self.num_cached
-        return 0.0 if lag <= 1 else lag * self._catch_up_cost
+        return 0 if lag <= 1 else lag
+
+    @property
+    def catch_up_token_seconds(self) -> float:
+        """Seconds per token of a catch-up forward (measured with step_cost_hint)."""
+        return self._catch_up_cost
 
     def _propose_tree(self, seq: SequenceView, depth: int) -> Draft:
         """A tree grown by `grow_tree`, each level fed through the draft with tree attention. Children are
