@@ -98,3 +98,14 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def plain_tiny(tiny_llama_dir: Path):  # noqa: ANN201 - (LLM, plain greedy outputs of tiny_prompts)
+    """Plain fp32 decoding of the tiny Llama on the shared prompts: the reference for exactness tests."""
+    from tiny_helpers import GREEDY, tiny_prompts
+
+    from specdecode import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="fp32")
+    return llm, [o.token_ids for o in llm.generate(tiny_prompts(llm), GREEDY)]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_helpers import GREEDY, tiny_prompts
 
 from specdecode import LLM, SamplingParams
 from specdecode.heads.features import generate_features, load_shard
@@ -15,18 +16,6 @@ from specdecode.heads.modules import IncompatibleHeadError
 from specdecode.heads.persist import load_head, new_head, save_head
 from specdecode.heads.train import TrainOptions, train_head
 from specdecode.model.load import load_model
-
-GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-
-
-def _prompts(llm: LLM) -> list[list[int]]:
-    return [llm.tokenizer.encode("def add(a, b):"), llm.tokenizer.encode("The quick brown fox")]
-
-
-@pytest.fixture(scope="module")
-def plain_tiny(tiny_llama_dir: Path) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(str(tiny_llama_dir), dtype="fp32")
-    return llm, [o.token_ids for o in llm.generate(_prompts(llm), GREEDY)]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +37,7 @@ def test_random_head_greedy_equals_plain(plain_tiny, tiny_llama_dir: Path, rando
     base, ref = plain_tiny
     spec = {"method": kind, "model": str(random_heads[kind]), "draft_tree_width": width, "num_speculative_tokens": 4}
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
-    outs = llm.generate(_prompts(base), GREEDY)
+    outs = llm.generate(tiny_prompts(base), GREEDY)
     assert [o.token_ids for o in outs] == ref
     assert outs[0].metrics["draft_tokens"] >= outs[0].metrics["steps"]  # it did draft
 
@@ -57,7 +46,7 @@ def test_random_head_greedy_equals_plain(plain_tiny, tiny_llama_dir: Path, rando
 def test_head_sampling_is_seeded_and_bounded(tiny_llama_dir: Path, random_heads, kind: str) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": kind, "model": str(random_heads[kind])})
     params = SamplingParams(max_tokens=15, temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.2, seed=7)
-    a, b = llm.generate(_prompts(llm), params), llm.generate(_prompts(llm), params)
+    a, b = llm.generate(tiny_prompts(llm), params), llm.generate(tiny_prompts(llm), params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 15 for o in a)
 
@@ -137,7 +126,7 @@ def test_training_learns_and_resumes(tiny_llama_dir: Path, tiny_features, tmp_pa
     # The trained head drives decoding and output stays exact.
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": kind, "model": str(tmp_path)})
     base = LLM(str(tiny_llama_dir), dtype="fp32")
-    prompts = _prompts(base)
+    prompts = tiny_prompts(base)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in base.generate(prompts, GREEDY)]
 
 
@@ -162,7 +151,7 @@ def test_heads_in_continuous_batching_keep_greedy_output(plain_tiny, tiny_llama_
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": kind, "model": str(random_heads[kind]), "num_speculative_tokens": 3})
     engine = llm.batch_engine(max_num_seqs=2)
-    seqs = [llm.new_sequence(p, GREEDY) for p in _prompts(base)]
+    seqs = [llm.new_sequence(p, GREEDY) for p in tiny_prompts(base)]
     for seq in seqs:
         engine.add(seq)
     while engine.has_work():

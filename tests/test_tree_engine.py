@@ -6,28 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_helpers import GREEDY, tiny_prompts
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.step_verify import tree_output_counts
 from specdecode.tree import build_tree
 
-GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 TREES = [(2, 2, 3), (4, 2, 4), (3, 3, 6)]  # (width, branching, depth)
 
 
 def _spec(draft: str, width: int, branching: int, depth: int) -> dict:
     return {"method": "draft", "model": draft, "num_speculative_tokens": depth, "draft_tree_width": width,
             "draft_tree_branching": branching}
-
-
-def _prompts(llm: LLM) -> list[list[int]]:
-    return [llm.tokenizer.encode("def add(a, b):"), llm.tokenizer.encode("The quick brown fox")]
-
-
-@pytest.fixture(scope="module")
-def plain_tiny(tiny_llama_dir: Path) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(str(tiny_llama_dir), dtype="fp32")
-    return llm, [o.token_ids for o in llm.generate(_prompts(llm), GREEDY)]
 
 
 @pytest.mark.parametrize(("width", "branching", "depth"), TREES)
@@ -37,7 +27,7 @@ def test_tree_greedy_equals_plain(plain_tiny, tiny_llama_dir: Path, tiny_llama_o
     base, ref = plain_tiny
     draft = tiny_llama_dir if drafter == "same" else tiny_llama_other_dir
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=_spec(str(draft), width, branching, depth))
-    outs = llm.generate(_prompts(base), GREEDY)
+    outs = llm.generate(tiny_prompts(base), GREEDY)
     assert [o.token_ids for o in outs] == ref
     m = outs[0].metrics
     if drafter == "same":
@@ -62,8 +52,8 @@ def test_tree_greedy_equals_plain_smollm() -> None:
 def test_tree_sampling_respects_limits_and_is_seeded(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=_spec(str(tiny_llama_dir), 3, 2, 4))
     params = SamplingParams(max_tokens=15, temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.2, seed=7)
-    a = llm.generate(_prompts(llm), params)
-    b = llm.generate(_prompts(llm), params)
+    a = llm.generate(tiny_prompts(llm), params)
+    b = llm.generate(tiny_prompts(llm), params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 15 for o in a)
 
