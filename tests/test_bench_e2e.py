@@ -146,3 +146,37 @@ def test_llamacpp_peer_with_a_fake_module(monkeypatch: pytest.MonkeyPatch) -> No
     hf_dir_ctx = PeerContext(target_path=Path("/models/hf-dir"), draft_path=None, eos_token_id=5, max_tokens=4)
     peers, notes = make_peers(["llamacpp"], hf_dir_ctx)
     assert peers == [] and "needs a GGUF" in notes[0]
+
+
+@pytest.mark.timeout(180)
+def test_bench_rounds_and_resume(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """An interrupted run resumed with --resume re-measures only what is missing; other settings are refused."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "out"
+    args = ["bench", "--model", str(tiny_llama_dir), "--methods", "plain,ngram", "--dataset", str(data),
+            "--max-tokens", "6", "--dtype", "fp32", "--peers", "transformers", "--peer-methods", "hf-plain",
+            "--round-size", "2", "--no-memory-floor", "--no-plots", "--no-progress", "--out", str(out)]
+    assert main(args) == 0
+    full = (out / "records.jsonl").read_text().splitlines()
+    assert len(full) == 3 * len(PROMPTS)
+    order = [(json.loads(line)["method"], json.loads(line)["prompt_index"]) for line in full]
+    # round 1 = the first prompt of each task (code 0, prose 0), every method on it before round 2
+    assert order[:6] == [("plain", 0), ("plain", 0), ("ngram", 0), ("ngram", 0), ("hf-plain", 0), ("hf-plain", 0)]
+
+    # a crash: the last 4 records are lost and the final line is cut in half
+    kept = full[:-4]
+    (out / "records.jsonl").write_text("\n".join(kept) + "\n" + full[-4][:20])
+    assert main([*args, "--resume"]) == 0
+    resumed = (out / "records.jsonl").read_text().splitlines()
+    assert resumed[: len(kept)] == kept and len(resumed) == len(full)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["num_prompts_complete"] == len(PROMPTS) and len(s["sessions"]) == 2
+    assert s["by_method"]["ngram"]["overall"]["identical_rate"] == 1.0
+    assert "resumed:" in (out / "summary.md").read_text()
+
+    capsys.readouterr()
+    assert main([*[a if a != "6" else "7" for a in args], "--resume"]) != 0
+    assert "max_tokens: 6 -> 7" in capsys.readouterr().err
+    assert main([*args[:-1], str(tmp_path / "elsewhere"), "--resume"]) != 0
+    assert "no run to resume" in capsys.readouterr().err

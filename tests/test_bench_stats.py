@@ -206,3 +206,23 @@ def test_decode_rate_skips_prompts_without_a_decode_phase():
           dict(rec("m", "t", 2, 5, 1.0), decode_tokens_per_second=4.0)]
     assert stats.mean_decode_tokens_per_second(rs) == pytest.approx(6.0)
     assert stats.mean_decode_tokens_per_second([rec("hf", "t", 0, 5, 1.0)]) is None
+
+
+def test_per_task_counts_and_joined_datasets():
+    from specdecode.bench.datasets import parse_per_task
+
+    assert parse_per_task("3") == 3
+    assert parse_per_task("10,code=40") == {"*": 10, "code": 40}
+    with pytest.raises(ValueError, match="TASK=N"):
+        parse_per_task("code=x")
+    prompts = load_prompts("spec_bench+humaneval", per_task={"*": 1, "code": 3})
+    counts = {t: sum(p.task == t for p in prompts) for t in {p.task for p in prompts}}
+    assert counts.pop("code") == 3 and set(counts.values()) == {1} and len(counts) == 6
+
+
+def test_complete_prompts_keeps_prompts_every_method_measured():
+    from specdecode.bench.stats import complete_prompts
+
+    recs = [{"method": m, "task": "t", "prompt_index": i} for m in ("plain", "ngram") for i in range(3)]
+    kept, n = complete_prompts(recs[:-1])  # ngram did not reach prompt 2
+    assert n == 2 and {r["prompt_index"] for r in kept} == {0, 1} and len(kept) == 4

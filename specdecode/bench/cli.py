@@ -42,9 +42,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="trained head directories for the eagle/medusa methods (comma list; the kind is read from "
                         "each head's config; default: the head shipped for the target, if any)")
     b.add_argument("--dataset", default="spec_bench",
-                   help=f"one of {', '.join(DATASETS)}, or a path to a .jsonl file (default: %(default)s)")
+                   help=f"one of {', '.join(DATASETS)}, several joined with + (spec_bench+humaneval), or a path "
+                        "to a .jsonl file (default: %(default)s)")
     b.add_argument("--tasks", type=_csv, default=None, help="comma list of tasks (or categories) to keep")
-    b.add_argument("--per-task", type=int, default=None, help="first N prompts of each task")
+    b.add_argument("--per-task", default=None,
+                   help="first N prompts of each task; N,TASK=M gives TASK its own count (e.g. 10,code=40)")
     b.add_argument("--limit", type=int, default=None, help="first N prompts overall (after --per-task)")
     b.add_argument("--max-tokens", type=int, default=128, help="max new tokens per prompt (default: %(default)s)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -62,14 +64,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--no-warmup", action="store_true", help="do not run the warm-up generation per method")
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--peer-methods", type=_csv, default=None,
+                   help="keep only these peer methods (e.g. hf-plain,hf-assisted,hf-prompt-lookup,llamacpp-plain)")
+    b.add_argument("--round-size", type=int, default=None,
+                   help="run every method on N prompts before the next N (an interrupted run loses little and "
+                        "each round is measured close in time; default: all prompts in one round)")
+    b.add_argument("--resume", action="store_true",
+                   help="continue the run stored in --out (same settings), skipping what it already measured")
     b.add_argument("--out", type=Path, required=True, help="output directory")
     b.set_defaults(func=run_bench_command)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    from specdecode.bench.datasets import parse_per_task
     from specdecode.bench.harness import BenchConfig, run_bench
 
-    for name in ("per_task", "limit", "max_tokens"):
+    for name in ("limit", "max_tokens", "round_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -81,10 +91,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
         args.methods = ["plain", "ngram", "draft"] if args.draft else ["plain", "ngram"]
     cfg = BenchConfig(
         model=args.model, methods=args.methods, out=args.out, draft=args.draft, dataset=args.dataset,
-        tasks=args.tasks, per_task=args.per_task, limit=args.limit, max_tokens=args.max_tokens,
+        tasks=args.tasks, per_task=parse_per_task(args.per_task) if args.per_task else None, limit=args.limit,
+        max_tokens=args.max_tokens,
         temperature=args.temperature, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         peers=args.peers, seed=args.seed, warmup=not args.no_warmup, bandwidth_gb=args.bandwidth_gb,
-        plots=not args.no_plots, progress=not args.no_progress, heads=heads,
+        plots=not args.no_plots, progress=not args.no_progress, heads=heads, round_size=args.round_size,
+        resume=args.resume, peer_methods=args.peer_methods,
     )
     summary = run_bench(cfg, _command_line(args))
     print(_short_table(summary))
@@ -116,11 +128,13 @@ def _command_line(args: argparse.Namespace) -> str:
                 "--limit": args.limit, "--max-tokens": args.max_tokens, "--temperature": args.temperature,
                 "--seed": args.seed, "--dtype": args.dtype, "--device": args.device,
                 "--max-model-len": args.max_model_len, "--peers": ",".join(args.peers) if args.peers else None,
-                "--bandwidth-gb": args.bandwidth_gb}
+                "--bandwidth-gb": args.bandwidth_gb,
+                "--peer-methods": ",".join(args.peer_methods) if args.peer_methods else None,
+                "--round-size": args.round_size}
     for flag, value in optional.items():
         if value is not None:
             parts += [flag, str(value)]
-    for flag in ("compare_table", "no_warmup", "no_plots", "no_progress"):
+    for flag in ("compare_table", "no_warmup", "no_plots", "no_progress", "resume"):
         if getattr(args, flag):
             parts.append("--" + flag.replace("_", "-"))
     parts += ["--out", str(args.out)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,21 +110,58 @@ def _from_row(kind: str, row: dict[str, Any], lineno: int) -> tuple[str, list[di
     return task, messages, source_id, category
 
 
+PerTask = int | Mapping[str, int] | None
+"""First N prompts of each task: one N for all, or N per task name with "*" as the default."""
+
+
+def parse_per_task(text: str) -> PerTask:
+    """``"10"`` -> 10; ``"10,code=40"`` -> {"*": 10, "code": 40} (a task without an entry keeps all)."""
+    counts: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, _, value = part.rpartition("=")
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"--per-task: expected N or TASK=N, got {part!r}") from None
+        if n < 1:
+            raise ValueError(f"--per-task: counts must be >= 1, got {part!r}")
+        counts[name or "*"] = n
+    if not counts:
+        raise ValueError("--per-task: empty")
+    return counts["*"] if list(counts) == ["*"] else counts
+
+
+def _task_count(per_task: PerTask, task: str) -> int | None:
+    if per_task is None or isinstance(per_task, int):
+        return per_task
+    return per_task.get(task, per_task.get("*"))
+
+
+def _dataset_rows(dataset: str) -> list[tuple[str, list[dict[str, str]], str, str]]:
+    """Rows of one dataset, or of several joined with "+" (e.g. ``spec_bench+humaneval``)."""
+    rows = []
+    for name in dataset.split("+") if "+" in dataset and not Path(dataset).is_file() else [dataset]:
+        kind = name if name in DATASET_FILES else "jsonl"
+        rows += [_from_row(kind, row, i) for i, row in enumerate(read_jsonl(dataset_path(name)))]
+    return rows
+
+
 def load_prompts(
     dataset: str,
     tasks: list[str] | None = None,
-    per_task: int | None = None,
+    per_task: PerTask = None,
     limit: int | None = None,
 ) -> list[BenchPrompt]:
-    """Prompts of a dataset, grouped by task (tasks in file order, or in the order of ``tasks``).
+    """Prompts of a dataset (or datasets joined with "+"), grouped by task (tasks in file order,
+    or in the order of ``tasks``).
 
     ``tasks`` keeps only those tasks (a name matches a task or a finer category, so
     ``--tasks coding`` selects MT-bench's coding questions of Spec-Bench); ``per_task`` keeps
-    the first N of each task; ``limit`` keeps the first N prompts overall after that.
+    the first N of each task (see `PerTask`); ``limit`` keeps the first N prompts overall after that.
     """
-    path = dataset_path(dataset)
-    kind = dataset if dataset in DATASET_FILES else "jsonl"
-    rows = [_from_row(kind, row, i) for i, row in enumerate(read_jsonl(path))]
+    rows = _dataset_rows(dataset)
     wanted = list(dict.fromkeys(tasks)) if tasks else None
     grouped: dict[str, list[tuple[str, list[dict[str, str]], str, str]]] = {}
     for row in rows:
@@ -142,7 +180,8 @@ def load_prompts(
         grouped = {t: grouped[t] for t in wanted}
     prompts: list[BenchPrompt] = []
     for task, trows in grouped.items():
-        for i, (_, messages, source_id, category) in enumerate(trows[:per_task] if per_task else trows):
+        n = _task_count(per_task, task)
+        for i, (_, messages, source_id, category) in enumerate(trows[:n] if n else trows):
             prompts.append(BenchPrompt(task, i, messages, source_id, category))
     if limit is not None:
         prompts = prompts[:limit]

@@ -28,9 +28,10 @@ import torch
 
 from specdecode.bench import stats
 from specdecode.bench.bandwidth import measure_bandwidth, memory_floor, module_bytes, weight_bytes_per_token
-from specdecode.bench.datasets import BenchPrompt, load_prompts
+from specdecode.bench.datasets import BenchPrompt, PerTask, load_prompts
 from specdecode.bench.methods import MethodSpec, parse_method
 from specdecode.bench.peers import PeerContext, make_peers, parse_peers
+from specdecode.bench.run_state import RunState
 
 
 @dataclass
@@ -43,7 +44,7 @@ class BenchConfig:
     """Head directory per kind ("eagle", "medusa") for the head methods."""
     dataset: str = "spec_bench"
     tasks: list[str] | None = None
-    per_task: int | None = None
+    per_task: PerTask = None
     limit: int | None = None
     max_tokens: int = 128
     temperature: float = 0.0
@@ -57,6 +58,14 @@ class BenchConfig:
     """Size of the bandwidth probe tensor; 0 skips the bandwidth measure and the memory floor."""
     plots: bool = True
     progress: bool = True
+    round_size: int | None = None
+    """Prompts per round: every method runs on one round before the next round starts, so an
+    interrupted run loses at most one method's round and every round is measured close in time.
+    None = one round of all prompts."""
+    resume: bool = False
+    """Continue the run stored in ``out`` (records.jsonl + run-state.json), skipping what is done."""
+    peer_methods: list[str] | None = None
+    """Keep only these peer methods (e.g. hf-plain,hf-assisted); None = all the peers offer."""
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -237,6 +246,10 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.perf_counter() - t0
 
 
+WARMUP_TOKENS = 32
+"""Tokens of the warm-up generation after each engine load (enough to reach every code path)."""
+
+
 class BenchRun:
     """State of one `specdecode bench` run; `run()` returns the summary dict."""
 
@@ -250,25 +263,33 @@ class BenchRun:
         if not self.specs:
             raise ValueError("no methods given")
         parse_peers(cfg.peers)  # unknown names fail now, not after the methods ran
-        self.records: list[dict[str, Any]] = []
-        self.resources: dict[str, dict[str, Any]] = {}
-        self.notes: list[str] = []
-        self.prompt_ids: list[list[int]] | None = None
-        self.eos_token_id: int | None = None
-        self.plain_weights: dict[str, dict[str, Any]] = {}
-        """Weight bytes read per token of each plain method's target (one per format)."""
+        if cfg.round_size is not None and cfg.round_size < 1:
+            raise ValueError(f"round size must be >= 1, got {cfg.round_size}")
+        self.state: RunState | None = None
+        self.prompts: list[BenchPrompt] = []
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return self.state.records if self.state is not None else []
+
+    def _ids(self, prompts: list[BenchPrompt]) -> list[list[int]]:
+        assert self.state is not None and self.state.prompt_ids is not None
+        index = {(p.task, p.index): i for i, p in enumerate(self.prompts)}
+        return [self.state.prompt_ids[index[(p.task, p.index)]] for p in prompts]
 
     # ---- ours ----
 
-    def _params(self) -> Any:
+    def _params(self, max_tokens: int | None = None) -> Any:
         from specdecode import SamplingParams
 
-        return SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature, seed=self.cfg.seed)
+        return SamplingParams(max_tokens=max_tokens or self.cfg.max_tokens, temperature=self.cfg.temperature,
+                              seed=self.cfg.seed)
 
     def _run_ours(self, spec: MethodSpec, prompts: list[BenchPrompt], bar: Any) -> None:
         from specdecode import LLM
 
-        cfg = self.cfg
+        cfg, state = self.cfg, self.state
+        assert state is not None
         bar.set_postfix_str(f"{spec.name}: loading")
         rss_before = current_rss()
         with RssSampler() as sampler:
@@ -277,34 +298,37 @@ class BenchRun:
                                                    max_model_len=cfg.max_model_len, seed=cfg.seed,
                                                    quantization=spec.quantization))
             rss_loaded = current_rss()
-            if self.prompt_ids is None:  # the target's chat template, once, shared by every method
-                self.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in prompts]
-                self.eos_token_id = llm.tokenizer.eos_token_id
+            if state.prompt_ids is None:  # the target's chat template, once, shared by every method
+                state.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in self.prompts]
+                state.eos_token_id = llm.tokenizer.eos_token_id
+                state.save()
             memory = _engine_memory(llm)
             if spec.speculative_config is None:  # a plain run: its format's memory floor is reported
-                self.plain_weights[spec.name] = {"method": spec.name, **weight_bytes_per_token(llm.target.model)}
+                state.plain_weights[spec.name] = {"method": spec.name, **weight_bytes_per_token(llm.target.model)}
             params = self._params()
+            ids_list = self._ids(prompts)
             if cfg.warmup:
                 bar.set_postfix_str(f"{spec.name}: warm-up")
-                _generate_ours(llm, self.prompt_ids[0], params)
+                _generate_ours(llm, ids_list[0], self._params(min(WARMUP_TOKENS, cfg.max_tokens)))
             bar.set_postfix_str(spec.name)
-            for prompt, ids in zip(prompts, self.prompt_ids, strict=True):
+            for prompt, ids in zip(prompts, ids_list, strict=True):
                 (out, accepted, drafted), seconds = _timed(lambda ids=ids: _generate_ours(llm, ids, params))
-                self.records.append(_ours_record(spec.name, prompt, ids, out, seconds, accepted, drafted))
+                state.add_record(_ours_record(spec.name, prompt, ids, out, seconds, accepted, drafted))
                 bar.update(1)
             rss_after = current_rss()
-        self.resources[spec.name] = {
+        state.merge_resources(spec.name, {
             "engine": "specdecode", "speculative_config": spec.speculative_config, "load_seconds": load_seconds,
             "rss_before_load_bytes": rss_before, "rss_after_load_bytes": rss_loaded,
             "rss_after_run_bytes": rss_after, "peak_rss_bytes": sampler.peak, **memory,
-        }
+        })
+        state.save()
         llm = None  # free the engine before the next method's is built
         gc.collect()
 
     # ---- peers ----
 
     def _peer_context(self) -> PeerContext:
-        """Paths now; the prompt-dependent fields are filled in once our first method has run."""
+        """Paths now; the prompt-dependent fields are filled in once the prompt ids are known."""
         from specdecode.fetch import resolve_model
         from specdecode.model.load import parse_dtype
 
@@ -315,82 +339,118 @@ class BenchRun:
             dtype=parse_dtype(cfg.dtype), threads=torch.get_num_threads(), seed=cfg.seed,
         )
 
-    def _run_peer(self, peer: Any, prompts: list[BenchPrompt], bar: Any) -> None:
-        assert self.prompt_ids is not None
-        names = peer.method_names()
+    def _peer_names(self, peer: Any) -> list[str]:
+        keep = self.cfg.peer_methods
+        return [n for n in peer.method_names() if keep is None or n in keep]
+
+    def _warm_peer(self, peer: Any, method: Any, ids: list[int]) -> None:
+        full = peer.ctx.max_tokens
+        peer.ctx.max_tokens = min(WARMUP_TOKENS, full)
+        try:
+            method.generate(ids)
+        finally:
+            peer.ctx.max_tokens = full
+
+    def _run_peer(self, peer: Any, todo: dict[str, list[BenchPrompt]], bar: Any) -> None:
+        """Run each of the peer's methods on its prompts still to do (one load of the peer)."""
+        state = self.state
+        assert state is not None
         bar.set_postfix_str(f"{peer.name}: loading")
         rss_before = current_rss()
-        done = 0
+        left = sum(len(v) for v in todo.values())
         try:
             with RssSampler() as sampler:
                 methods, load_seconds = _timed(peer.open)
+                methods = [m for m in methods if todo.get(m.name)]
                 rss_loaded = current_rss()
                 for method in methods:
+                    prompts = todo[method.name]
                     try:
                         if method.prepare is not None:
                             method.prepare()
+                        ids_list = self._ids(prompts)
                         if self.cfg.warmup:
                             bar.set_postfix_str(f"{method.name}: warm-up")
-                            method.generate(self.prompt_ids[0])
+                            self._warm_peer(peer, method, ids_list[0])
                         bar.set_postfix_str(method.name)
-                        for prompt, ids in zip(prompts, self.prompt_ids, strict=True):
+                        for prompt, ids in zip(prompts, ids_list, strict=True):
                             out_ids, seconds = _timed(lambda ids=ids, g=method.generate: g(ids))
-                            self.records.append(_base_record(method.name, peer.name, prompt, ids, out_ids, seconds))
+                            state.add_record(_base_record(method.name, peer.name, prompt, ids, out_ids, seconds))
                             bar.update(1)
-                            done += 1
+                            left -= 1
                     except Exception as exc:  # noqa: BLE001 - a peer's failure is a note, not our failure
-                        self.notes.append(f"{method.name}: failed ({type(exc).__name__}: {exc}); results partial")
-                    self.resources[method.name] = {
+                        state.add_note(f"{method.name}: failed ({type(exc).__name__}: {exc}); results partial")
+                    state.merge_resources(method.name, {
                         "engine": peer.name, "settings": method.settings, "load_seconds": load_seconds,
                         "rss_before_load_bytes": rss_before, "rss_after_load_bytes": rss_loaded,
                         "rss_after_run_bytes": current_rss(), "peak_rss_bytes": None,
-                    }
+                    })
             for method in methods:
-                self.resources[method.name]["peak_rss_bytes"] = sampler.peak
+                state.merge_resources(method.name, {**state.resources[method.name], "peak_rss_bytes": sampler.peak})
                 if method.settings:
-                    self.notes.append(f"{method.name}: {method.settings}")
+                    state.add_note(f"{method.name}: {method.settings}")
         except Exception as exc:  # noqa: BLE001 - e.g. the model cannot be loaded by that engine
-            self.notes.append(f"{peer.name}: skipped ({type(exc).__name__}: {exc})")
+            state.add_note(f"{peer.name}: skipped ({type(exc).__name__}: {exc})")
         finally:
             peer.close()
             gc.collect()
+            state.save()
             # Keep the bar's total honest when a peer stopped early.
-            bar.total = max(bar.n, bar.total - (len(names) * len(prompts) - done))
+            bar.total = max(bar.n, bar.total - left)
             bar.refresh()
 
     # ---- the run ----
 
+    def _rounds(self) -> list[list[BenchPrompt]]:
+        """Rounds take prompts from every task in turn, so a run stopped early still covers all tasks."""
+        if not self.cfg.round_size:
+            return [self.prompts]
+        rank = {t: i for i, t in enumerate(dict.fromkeys(p.task for p in self.prompts))}
+        order = sorted(self.prompts, key=lambda p: (p.index, rank[p.task]))
+        size = self.cfg.round_size
+        return [order[i : i + size] for i in range(0, len(order), size)]
+
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        cfg.out.mkdir(parents=True, exist_ok=True)
-        prompts = load_prompts(cfg.dataset, cfg.tasks, cfg.per_task, cfg.limit)
+        self.prompts = load_prompts(cfg.dataset, cfg.tasks, cfg.per_task, cfg.limit)
+        state = self.state = RunState.start(cfg.out, asdict(cfg), cfg.resume)
         machine = machine_info()
-        bandwidth = None
-        if cfg.bandwidth_gb > 0:
-            bandwidth = measure_bandwidth(cfg.bandwidth_gb)
+        state.sessions.append({**machine, "command": self.command, "records_before": len(state.records)})
+        if cfg.bandwidth_gb > 0 and state.bandwidth is None:
+            state.bandwidth = measure_bandwidth(cfg.bandwidth_gb)
+        state.save()
         # plain first: it is the baseline, and its target gives the prompt ids and weight bytes
         specs = sorted(self.specs, key=lambda s: s.name != "plain")
         if specs[0].name != "plain":
-            self.notes.append("no `plain` method in this run: speedups and identical-output rates are not computed")
+            state.add_note("no `plain` method in this run: speedups and identical-output rates are not computed")
         peers: list[Any] = []
         ctx = None
         if cfg.peers:
             ctx = self._peer_context()
             peers, notes = make_peers(cfg.peers, ctx)
-            self.notes.extend(notes)
-        total = (len(specs) + sum(len(p.method_names()) for p in peers)) * len(prompts)
-        bar = _progress(total, cfg.progress)
+            for note in notes:
+                state.add_note(note)
+        done = state.done()
+        names = [s.name for s in specs] + [n for p in peers for n in self._peer_names(p)]
+        bar = _progress(sum((n, p.task, p.index) not in done for n in names for p in self.prompts), cfg.progress)
         try:
-            for spec in specs:
-                self._run_ours(spec, prompts, bar)
-            if ctx is not None and self.prompt_ids is not None:
-                ctx.eos_token_id = self.eos_token_id
-                ctx.max_prompt_tokens = max(len(i) for i in self.prompt_ids)
+            for prompts in self._rounds():
+                for spec in specs:
+                    todo = [p for p in prompts if (spec.name, p.task, p.index) not in done]
+                    if todo:
+                        self._run_ours(spec, todo, bar)
+                if ctx is None or state.prompt_ids is None:
+                    continue
+                ctx.eos_token_id = state.eos_token_id
+                ctx.max_prompt_tokens = max(len(i) for i in state.prompt_ids)
                 for peer in peers:
-                    self._run_peer(peer, prompts, bar)
+                    todo_by_method = {n: [p for p in prompts if (n, p.task, p.index) not in done]
+                                      for n in self._peer_names(peer)}
+                    if any(todo_by_method.values()):
+                        self._run_peer(peer, todo_by_method, bar)
         finally:
             bar.close()
-        summary = self._summary(prompts, machine, bandwidth)
+        summary = self._summary(self.prompts, machine, state.bandwidth)
         from specdecode.bench.report import write_outputs
 
         write_outputs(cfg.out, self.records, summary, plots=cfg.plots)
@@ -398,19 +458,25 @@ class BenchRun:
 
     def _summary(self, prompts: list[BenchPrompt], machine: dict[str, Any],
                  bandwidth: dict[str, Any] | None) -> dict[str, Any]:
-        cfg = self.cfg
+        cfg, state = self.cfg, self.state
+        assert state is not None
+        records, complete = stats.complete_prompts(self.records)
+        notes = list(state.notes)
+        if complete < len(prompts):
+            notes.append(f"partial run: {complete} of {len(prompts)} prompts were measured by every method, and "
+                         "only those are summarized; rerun the command with --resume to continue")
         own = {}
-        methods_seen = {r["method"] for r in self.records}
+        methods_seen = {r["method"] for r in records}
         for m in methods_seen:
             for prefix in ("hf-", "llamacpp-"):
                 if m.startswith(prefix) and m != prefix + "plain" and prefix + "plain" in methods_seen:
                     own[m] = prefix + "plain"
-        summary = stats.summarize(self.records, "plain", own)
-        for method, res in self.resources.items():
+        summary = stats.summarize(records, "plain", own)
+        for method, res in state.resources.items():
             if method in summary["by_method"]:
                 summary["by_method"][method]["resources"] = res
         floors = {}
-        for method, info in self.plain_weights.items():
+        for method, info in state.plain_weights.items():
             if bandwidth is None or not info["bytes"] or method not in summary["by_method"]:
                 continue
             floor_tps = memory_floor(bandwidth["read_gb_per_s"], info["bytes"])
@@ -430,20 +496,26 @@ class BenchRun:
         floor = floors.get("plain")
         config = asdict(cfg)
         config["out"] = str(cfg.out)
+        first = state.sessions[0] if state.sessions else {}
         return {
-            "command": self.command,
-            "machine": machine,
+            "command": first.get("command", self.command),
+            "machine": {k: v for k, v in first.items() if k not in ("command", "records_before")} or machine,
+            "sessions": [{k: s.get(k) for k in ("date", "cpu", "git_commit", "command", "records_before")}
+                         for s in state.sessions],
             "config": config,
             "protocol": ("greedy" if cfg.temperature <= 0 else f"temperature {cfg.temperature}")
-            + ", batch 1, one warm-up generation per method excluded, prefill included in each prompt's time, "
-            "tokens/s = output tokens / seconds per prompt, speedup = ratio of means vs plain, stop at EOS",
+            + f", batch 1, one {WARMUP_TOKENS}-token warm-up generation per engine load excluded, prefill "
+            "included in each prompt's time, tokens/s = output tokens / seconds per prompt, speedup = ratio of "
+            "means vs plain, stop at EOS"
+            + (f", methods run in rounds of {cfg.round_size} prompts" if cfg.round_size else ""),
             "num_prompts": len(prompts),
-            "prompt_tokens_total": sum(len(i) for i in self.prompt_ids or []),
+            "num_prompts_complete": complete,
+            "prompt_tokens_total": sum(len(i) for i in state.prompt_ids or []),
             "bandwidth": bandwidth,
             "memory_floor": floor,
             "memory_floors": floors,
             "process_peak_rss_bytes": process_peak_rss(),
-            "notes": self.notes,
+            "notes": notes,
             **summary,
         }
 

@@ -128,6 +128,11 @@ def comparison_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _resumed_lines(sessions: list[dict[str, Any]]) -> list[str]:
+    later = [f"{x.get('date')} ({x.get('git_commit')}, after {x.get('records_before')} records)" for x in sessions[1:]]
+    return ["- resumed: " + "; ".join(later)] if later else []
+
+
 def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> str:
     m = summary["machine"]
     cfg = summary["config"]
@@ -139,13 +144,17 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
         "```",
         "",
         f"- date: {m.get('date')}",
+        *_resumed_lines(summary.get("sessions", [])),
         f"- machine: {m.get('cpu')}, {m.get('logical_cores')} logical cores"
         + (f" ({m['physical_cores']} physical)" if m.get("physical_cores") else "")
         + (f", {m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else "")
         + f", torch {m.get('torch')} ({m.get('torch_threads')} threads), transformers {m.get('transformers')}, "
         f"llama_cpp {m.get('llama_cpp')}, specdecode {m.get('specdecode')} ({m.get('git_commit')})",
         f"- target `{cfg['model']}` ({cfg['dtype']}), draft `{cfg['draft']}`, dataset `{cfg['dataset']}`, "
-        f"{summary['num_prompts']} prompts, max tokens {cfg['max_tokens']}",
+        f"{summary['num_prompts']} prompts"
+        + (f" ({summary['num_prompts_complete']} measured by every method)"
+           if summary.get("num_prompts_complete", summary["num_prompts"]) < summary["num_prompts"] else "")
+        + f", max tokens {cfg['max_tokens']}",
         f"- protocol: {summary['protocol']}",
         "",
         "τ = output tokens / target forwards (steps, prefill included); acceptance = accepted / drafted tokens; "

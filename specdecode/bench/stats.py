@@ -163,6 +163,17 @@ def aggregate(
     return out
 
 
+def complete_prompts(records: Sequence[Record]) -> tuple[list[Record], int]:
+    """Records of the prompts every method measured, and how many such prompts there are. Means over
+    different prompt sets are not comparable, so an unfinished run is summarized on its common part."""
+    methods = {r["method"] for r in records}
+    seen: dict[tuple[str, int], set[str]] = {}
+    for r in records:
+        seen.setdefault((r["task"], r["prompt_index"]), set()).add(r["method"])
+    complete = {k for k, ms in seen.items() if ms == methods}
+    return [r for r in records if (r["task"], r["prompt_index"]) in complete], len(complete)
+
+
 def summarize(
     records: Sequence[Record],
     baseline_method: str = "plain",
