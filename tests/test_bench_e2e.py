@@ -180,3 +180,34 @@ def test_bench_rounds_and_resume(tiny_llama_dir: Path, tmp_path: Path, capsys: p
     assert "max_tokens: 6 -> 7" in capsys.readouterr().err
     assert main([*args[:-1], str(tmp_path / "elsewhere"), "--resume"]) != 0
     assert "no run to resume" in capsys.readouterr().err
+
+
+def test_llamacpp_draft_model_reuses_the_shared_prefix() -> None:
+    """The llama.cpp draft adapter: greedy continuation of a fake drafter; only new tokens are evaluated."""
+    import numpy as np
+
+    from specdecode.bench.llamacpp_draft import LlamaDraftLlama
+
+    class FakeLlama:  # next token = last token + 1; EOS = 9
+        def __init__(self) -> None:
+            self.input_ids = np.zeros(64, dtype=np.intc)
+            self.n_tokens = 0
+            self.evaluated: list[list[int]] = []
+
+        def eval(self, tokens: list[int]) -> None:
+            self.evaluated.append(list(tokens))
+            self.input_ids[self.n_tokens : self.n_tokens + len(tokens)] = tokens
+            self.n_tokens += len(tokens)
+
+    fake = FakeLlama()
+    onehot = lambda llm: np.eye(10)[(llm.input_ids[llm.n_tokens - 1] + 1) % 10]
+    draft = LlamaDraftLlama(fake, 3, stop={9}, last_logits=onehot)
+    assert draft(np.array([1, 2, 3], dtype=np.intc)).tolist() == [4, 5, 6]
+    assert fake.evaluated == [[1, 2, 3], [4], [5]]
+    # the target accepted 4 and then chose 7: the drafter keeps 1..4 and evaluates only 7
+    assert draft(np.array([1, 2, 3, 4, 7], dtype=np.intc)).tolist() == [8, 9]  # stops at EOS
+    assert fake.evaluated[3:5] == [[7], [8]]
+    # nothing new: the last token is evaluated again so that its logits are fresh
+    fake.n_tokens = 3
+    assert draft(np.array([1, 2, 3], dtype=np.intc)).tolist() == [4, 5, 6]
+    assert fake.evaluated[5] == [3]

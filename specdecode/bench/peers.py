@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from specdecode.bench.llamacpp_draft import DRAFT_TOKENS, LlamaDraftLlama
+
 PEERS: tuple[str, ...] = ("transformers", "llama.cpp")
 PEER_ALIASES = {"transformers": "transformers", "hf": "transformers", "llama.cpp": "llama.cpp",
                 "llamacpp": "llama.cpp", "llama_cpp": "llama.cpp"}
@@ -224,7 +226,14 @@ class LlamaCppPeer(Peer):
     def method_names(self) -> list[str]:
         if self.binding == "llama-cpp-cffi":
             return ["llamacpp-plain"]  # the binding has no speculative decoding
-        return ["llamacpp-plain", "llamacpp-prompt-lookup"]
+        names = ["llamacpp-plain", "llamacpp-prompt-lookup"]
+        if self._draft_gguf() is not None:
+            names.append("llamacpp-draft")
+        return names
+
+    def _draft_gguf(self) -> Path | None:
+        draft = self.ctx.draft_path
+        return draft if draft is not None and draft.suffix == ".gguf" and draft.is_file() else None
 
     def _n_ctx(self) -> int:
         return max(4096, self.ctx.max_prompt_tokens + self.ctx.max_tokens + 16)
@@ -233,10 +242,10 @@ class LlamaCppPeer(Peer):
         version = _dist_version(self.binding or "") or "unknown"
         return {"binding": f"{self.binding} {version}", "n_threads": self.ctx.threads, **extra}
 
-    def _new_llama(self, draft_model: Any = None) -> Any:
+    def _new_llama(self, draft_model: Any = None, path: Path | None = None) -> Any:
         from llama_cpp import Llama
 
-        llm = Llama(model_path=str(self.ctx.target_path), n_threads=self.ctx.threads, n_ctx=self._n_ctx(),
+        llm = Llama(model_path=str(path or self.ctx.target_path), n_threads=self.ctx.threads, n_ctx=self._n_ctx(),
                     verbose=False, seed=self.ctx.seed, draft_model=draft_model)
         self.llms.append(llm)
         return llm
@@ -284,11 +293,18 @@ class LlamaCppPeer(Peer):
 
         plain = self._new_llama()
         lookup = self._new_llama(LlamaPromptLookupDecoding(num_pred_tokens=10))
-        return [
+        methods = [
             PeerMethod("llamacpp-plain", self._make(plain), self._settings()),
             PeerMethod("llamacpp-prompt-lookup", self._make(lookup),
                        self._settings(num_pred_tokens=10, max_ngram_size=2)),
         ]
+        draft_gguf = self._draft_gguf()
+        if draft_gguf is not None:
+            drafter = self._new_llama(path=draft_gguf)
+            target = self._new_llama(LlamaDraftLlama(drafter, DRAFT_TOKENS, self._stop(drafter)))
+            methods.append(PeerMethod("llamacpp-draft", self._make(target),
+                                      self._settings(draft=draft_gguf.name, num_pred_tokens=DRAFT_TOKENS)))
+        return methods
 
     def close(self) -> None:
         for llm in self.llms:
