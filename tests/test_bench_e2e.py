@@ -175,6 +175,12 @@ def test_bench_rounds_and_resume(tiny_llama_dir: Path, tmp_path: Path, capsys: p
     assert s["by_method"]["ngram"]["overall"]["identical_rate"] == 1.0
     assert "resumed:" in (out / "summary.md").read_text()
 
+    # --redo measures a method again and leaves the others' records as they were
+    assert main([*args, "--resume", "--redo", "ngram"]) == 0
+    redone = (out / "records.jsonl").read_text().splitlines()
+    assert len(redone) == len(full)
+    assert [r for r in redone if '"ngram"' not in r] == [r for r in resumed if '"ngram"' not in r]
+
     capsys.readouterr()
     assert main([*[a if a != "6" else "7" for a in args], "--resume"]) != 0
     assert "max_tokens: 6 -> 7" in capsys.readouterr().err

@@ -71,6 +71,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "each round is measured close in time; default: all prompts in one round)")
     b.add_argument("--resume", action="store_true",
                    help="continue the run stored in --out (same settings), skipping what it already measured")
+    b.add_argument("--redo", type=_csv, default=[],
+                   help="with --resume: measure these methods again (their stored records are dropped)")
     b.add_argument("--out", type=Path, required=True, help="output directory")
     b.set_defaults(func=run_bench_command)
 
@@ -96,8 +98,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         temperature=args.temperature, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         peers=args.peers, seed=args.seed, warmup=not args.no_warmup, bandwidth_gb=args.bandwidth_gb,
         plots=not args.no_plots, progress=not args.no_progress, heads=heads, round_size=args.round_size,
-        resume=args.resume, peer_methods=args.peer_methods,
+        resume=args.resume, peer_methods=args.peer_methods, redo=args.redo,
     )
+    if args.redo and not args.resume:
+        raise ValueError("--redo needs --resume (a new run measures every method anyway)")
     summary = run_bench(cfg, _command_line(args))
     print(_short_table(summary))
     print(f"wrote {args.out}/summary.md, summary.json, records.jsonl and plots", file=sys.stderr)
@@ -130,7 +134,7 @@ def _command_line(args: argparse.Namespace) -> str:
                 "--max-model-len": args.max_model_len, "--peers": ",".join(args.peers) if args.peers else None,
                 "--bandwidth-gb": args.bandwidth_gb,
                 "--peer-methods": ",".join(args.peer_methods) if args.peer_methods else None,
-                "--round-size": args.round_size}
+                "--round-size": args.round_size, "--redo": ",".join(args.redo) if args.redo else None}
     for flag, value in optional.items():
         if value is not None:
             parts += [flag, str(value)]

@@ -66,6 +66,8 @@ class BenchConfig:
     """Continue the run stored in ``out`` (records.jsonl + run-state.json), skipping what is done."""
     peer_methods: list[str] | None = None
     """Keep only these peer methods (e.g. hf-plain,hf-assisted); None = all the peers offer."""
+    redo: list[str] = field(default_factory=list)
+    """With resume: methods whose stored records are dropped and measured again."""
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -415,6 +417,9 @@ class BenchRun:
         self.prompts = load_prompts(cfg.dataset, cfg.tasks, cfg.per_task, cfg.limit)
         state = self.state = RunState.start(cfg.out, asdict(cfg), cfg.resume)
         machine = machine_info()
+        if cfg.redo:
+            state.add_note(f"{machine['date']}: measured again: {', '.join(cfg.redo)} "
+                           f"({state.forget(cfg.redo)} records dropped)")
         state.sessions.append({**machine, "command": self.command, "records_before": len(state.records)})
         if cfg.bandwidth_gb > 0 and state.bandwidth is None:
             state.bandwidth = measure_bandwidth(cfg.bandwidth_gb)

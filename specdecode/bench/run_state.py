@@ -84,6 +84,18 @@ class RunState:
                                        "notes", "sessions") if k in data}
         return cls(out, key, **fields, records=read_records(out / RECORDS_FILE))
 
+    def forget(self, methods: list[str]) -> int:
+        """Drop the records of ``methods`` (to measure them again, e.g. after a head was retrained)."""
+        keep = [r for r in self.records if r["method"] not in methods]
+        dropped = len(self.records) - len(keep)
+        self.records = keep
+        tmp = self.out / (RECORDS_FILE + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+        os.replace(tmp, self.out / RECORDS_FILE)
+        for m in methods:
+            self.resources.pop(m, None)
+        return dropped
+
     def done(self) -> set[Key]:
         return {(r["method"], r["task"], r["prompt_index"]) for r in self.records}
 
