@@ -16,6 +16,7 @@ from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
 from specdecode.proposers.tree_growth import level_width
+from specdecode.proposers.tree_value import TreeValue
 from specdecode.tree import MAX_TREE_NODES, build_tree
 
 
@@ -186,4 +187,6 @@ class SpeculativeDecoder:
             nodes = tuple(min(MAX_TREE_NODES, level_width(width, proposer.node_budget, k) * k)  # type: ignore
                           for k in range(1, self.k_max + 1))
         self.cost = CostModel.from_points(points, max(ts), draft_step_seconds=draft_step, tree_nodes=nodes)
+        if tree:
+            self.proposer.tree_value = TreeValue(self.cost.target_forward_seconds)  # type: ignore[union-attr]
         return self.cost

@@ -15,6 +15,7 @@ from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, SequenceView
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, TreeLevel, grow_tree, level_width
+from specdecode.proposers.tree_value import TreeValue, node_selector
 from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
 from specdecode.tree import MAX_TREE_NODES
 
@@ -28,6 +29,8 @@ class DraftModelProposer:
         """Nodes kept per tree level (1 = a chain, 0 = node_budget / depth)."""
         self.node_budget = DEFAULT_NODE_BUDGET
         """Tree nodes per step when the width is dynamic (set from the engine's cost model)."""
+        self.tree_value: TreeValue | None = None
+        """Set by the engine once it measured its forwards: how much of a grown tree gets verified."""
         self.tree_branching = tree_branching
         """Candidates (top-b draft tokens) expanded per kept node."""
         self._cache: KVCache | None = None
@@ -44,6 +47,8 @@ class DraftModelProposer:
         if self._cache is not None:
             self._cache.reset()
         self.num_cached = 0
+        if self.tree_value is not None:
+            self.tree_value.reset()
 
     @property
     def cache(self) -> KVCache:
@@ -103,6 +108,8 @@ class DraftModelProposer:
         self.num_cached = min(self.num_cached, valid)
         if self._cache is not None:
             self._cache.set_length(0, self.num_cached)
+        if self.tree_value is not None:
+            self.tree_value.observe(num_accepted)
 
     def step_cost_hint(self) -> float:
         """Seconds of one single-token draft forward, measured once (median of 5 after a warm-up); the
@@ -153,7 +160,8 @@ class DraftModelProposer:
             return self.model.compute_logits(hidden[0])  # [m, V]
 
         width = level_width(self.tree_width, self.node_budget, depth)
-        draft = grow_tree(logits, depth, width, self.tree_branching, base, expand)
+        draft = grow_tree(logits, depth, width, self.tree_branching, base, expand,
+                          select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint()))
         # Tree entries past the prefix are scratch: the next propose re-feeds what was accepted.
         self.cache.set_length(0, base)
         return draft

@@ -14,6 +14,7 @@ import torch
 from specdecode.heads.modules import EagleHead, MedusaHeads
 from specdecode.proposers.base import Draft, SequenceView
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, TreeLevel, grow_tree, level_width
+from specdecode.proposers.tree_value import TreeValue, node_selector
 from specdecode.tree import MAX_TREE_NODES
 
 
@@ -31,6 +32,8 @@ class EagleProposer:
         """Nodes kept per level; 0 = node_budget / depth."""
         self.tree_branching = tree_branching
         self.node_budget = DEFAULT_NODE_BUDGET
+        self.tree_value: TreeValue | None = None
+        """Set by the engine once it measured its forwards: how much of a grown tree gets verified."""
         size = max_len + MAX_TREE_NODES
         self.cache = head.new_cache(size)
         self.features = torch.zeros(size, head.config.hidden_size, dtype=head.dtype, device=head.device)
@@ -44,6 +47,8 @@ class EagleProposer:
         self.cache.reset()
         self.num_features = 0
         self.num_cached = 0
+        if self.tree_value is not None:
+            self.tree_value.reset()
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         """Target features [m, D] of the next m positions (prompt at prefill, kept tokens after a step)."""
@@ -86,13 +91,16 @@ class EagleProposer:
             return head.draft_logits(out)  # [m, Vd]
 
         width = level_width(self.tree_width, self.node_budget, k)
-        draft = grow_tree(head.draft_logits(root), k, width, self.tree_branching, base, expand, token_map=head.d2t)
+        draft = grow_tree(head.draft_logits(root), k, width, self.tree_branching, base, expand, token_map=head.d2t,
+                          select=node_selector(self.tree_value, self.tree_width, lambda: k * self.step_cost_hint()))
         self.cache.set_length(0, base)  # tree entries are scratch
         return draft
 
     def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
         # Cached pairs used true features only; the accepted path is re-fed with its true features.
         self.num_cached = min(self.num_cached, self.num_features)
+        if self.tree_value is not None:
+            self.tree_value.observe(num_accepted)
 
     def step_cost_hint(self) -> float:
         """Seconds of one head level (a single-node forward plus its output rows), measured once."""
@@ -123,11 +131,14 @@ class MedusaProposer:
         self.tree_width = tree_width
         self.tree_branching = tree_branching
         self.node_budget = DEFAULT_NODE_BUDGET
+        self.tree_value: TreeValue | None = None
         self.last: torch.Tensor | None = None  # [D] target feature at position n-2
         self._cost = 0.0
 
     def begin(self, seq: SequenceView) -> None:
         self.last = None
+        if self.tree_value is not None:
+            self.tree_value.reset()
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.last = hidden[-1]
@@ -143,10 +154,12 @@ class MedusaProposer:
             return logits[level.level + 1].expand(len(level.nodes), -1)
 
         width = level_width(self.tree_width, self.node_budget, depth)
-        return grow_tree(logits[0], depth, width, self.tree_branching, 1, expand, token_map=self.head.d2t)
+        return grow_tree(logits[0], depth, width, self.tree_branching, 1, expand, token_map=self.head.d2t,
+                         select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint()))
 
     def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
-        pass
+        if self.tree_value is not None:
+            self.tree_value.observe(num_accepted)
 
     def step_cost_hint(self) -> float:
         if self._cost == 0.0:

@@ -8,6 +8,7 @@ model-like proposers, a table lookup for Medusa).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,11 +51,16 @@ def grow_tree(
     base: int,
     expand: Callable[[TreeLevel], torch.Tensor],  # -> [m, V] logits at the new nodes
     token_map: torch.Tensor | None = None,  # [V] logit column -> token id (a head's draft vocabulary)
+    select: Callable[[list[float]], int] | None = None,
 ) -> Draft:
-    """`base` = entries of the proposer's cache before the tree; the root sits at slot base - 1."""
+    """`base` = entries of the proposer's cache before the tree; the root sits at slot base - 1.
+
+    `select`, given the nodes' cumulative draft probabilities in descending order, returns how many
+    to verify; the tree is cut to those (see `prune_to_best`)."""
     ids = token_map.tolist() if token_map is not None else None
     tokens: list[int] = []
     parents: list[int] = []
+    scores: list[float] = []
     ancestors: dict[int, list[int]] = {0: []}  # tree index -> tree indices of its path (root excluded)
     frontier = [(0, 0.0, root_logits)]  # (tree index, cumulative log-prob, logits at that node)
     for level in range(depth):
@@ -73,6 +79,7 @@ def grow_tree(
         for score, parent, tok in cands:
             tokens.append(tok)
             parents.append(parent)
+            scores.append(score)
             idx = len(tokens)
             ancestors[idx] = [*ancestors[parent], idx]
             new.append((idx, score))
@@ -94,4 +101,20 @@ def grow_tree(
         )
         node_logits = expand(step)
         frontier = [(idx, score, node_logits[row]) for row, (idx, score) in enumerate(new)]
+    if select is not None and len(tokens) > 1:
+        tokens, parents = prune_to_best(tokens, parents, scores, select)
     return Draft(tokens, None, parents)
+
+
+def prune_to_best(tokens: list[int], parents: list[int], scores: list[float],
+                  select: Callable[[list[float]], int]) -> tuple[list[int], list[int]]:
+    """Keep the n nodes of highest cumulative log-probability, n = select(their probabilities).
+
+    A child never scores above its parent (log-probabilities add up to <= 0) and ties go to the
+    earlier node, so every prefix of that order is a subtree. Kept nodes stay in their original
+    (level) order; parents are renumbered."""
+    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))
+    n = max(1, min(len(order), select([math.exp(scores[i]) for i in order])))
+    kept = sorted(order[:n])
+    new_index = {0: 0} | {old + 1: new for new, old in enumerate(kept, 1)}
+    return [tokens[i] for i in kept], [new_index[parents[i]] for i in kept]
