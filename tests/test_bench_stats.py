@@ -226,3 +226,16 @@ def test_complete_prompts_keeps_prompts_every_method_measured():
     recs = [{"method": m, "task": "t", "prompt_index": i} for m in ("plain", "ngram") for i in range(3)]
     kept, n = complete_prompts(recs[:-1])  # ngram did not reach prompt 2
     assert n == 2 and {r["prompt_index"] for r in kept} == {0, 1} and len(kept) == 4
+
+
+def test_resumed_run_state_appends_after_a_cut_off_line(tmp_path):
+    from specdecode.bench.run_state import RECORDS_FILE, RunState, read_records
+
+    state = RunState.start(tmp_path, {"model": "m"}, resume=False)
+    state.add_record({"method": "plain", "task": "t", "prompt_index": 0})
+    with (tmp_path / RECORDS_FILE).open("a") as f:
+        f.write('{"method": "plain", "ta')  # a crash in the middle of a write
+    resumed = RunState.start(tmp_path, {"model": "m"}, resume=True)
+    assert resumed.done() == {("plain", "t", 0)}
+    resumed.add_record({"method": "plain", "task": "t", "prompt_index": 1})
+    assert [r["prompt_index"] for r in read_records(tmp_path / RECORDS_FILE)] == [0, 1]

@@ -82,16 +82,21 @@ class RunState:
                              "use the same options or a new --out")
         fields = {k: data[k] for k in ("prompt_ids", "eos_token_id", "plain_weights", "bandwidth", "resources",
                                        "notes", "sessions") if k in data}
-        return cls(out, key, **fields, records=read_records(out / RECORDS_FILE))
+        state = cls(out, key, **fields, records=read_records(out / RECORDS_FILE))
+        state._rewrite_records()  # a line cut short by a crash must not prefix the next appended record
+        return state
+
+    def _rewrite_records(self) -> None:
+        tmp = self.out / (RECORDS_FILE + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
+        os.replace(tmp, self.out / RECORDS_FILE)
 
     def forget(self, methods: list[str]) -> int:
         """Drop the records of ``methods`` (to measure them again, e.g. after a head was retrained)."""
         keep = [r for r in self.records if r["method"] not in methods]
         dropped = len(self.records) - len(keep)
         self.records = keep
-        tmp = self.out / (RECORDS_FILE + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
-        os.replace(tmp, self.out / RECORDS_FILE)
+        self._rewrite_records()
         for m in methods:
             self.resources.pop(m, None)
         return dropped
