@@ -81,7 +81,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from specdecode.bench.datasets import parse_per_task
     from specdecode.bench.harness import BenchConfig, run_bench
 
-    for name in ("limit", "max_tokens", "round_size"):
+    for name in ("limit", "max_tokens"):  # --round-size is checked by the harness
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

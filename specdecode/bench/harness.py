@@ -274,6 +274,9 @@ class BenchRun:
     def records(self) -> list[dict[str, Any]]:
         return self.state.records if self.state is not None else []
 
+    def _todo(self, method: str, prompts: list[BenchPrompt], done: set[tuple[str, str, int]]) -> list[BenchPrompt]:
+        return [p for p in prompts if (method, p.task, p.index) not in done]
+
     def _ids(self, prompts: list[BenchPrompt]) -> list[list[int]]:
         assert self.state is not None and self.state.prompt_ids is not None
         index = {(p.task, p.index): i for i, p in enumerate(self.prompts)}
@@ -437,11 +440,11 @@ class BenchRun:
                 state.add_note(note)
         done = state.done()
         names = [s.name for s in specs] + [n for p in peers for n in self._peer_names(p)]
-        bar = _progress(sum((n, p.task, p.index) not in done for n in names for p in self.prompts), cfg.progress)
+        bar = _progress(sum(len(self._todo(n, self.prompts, done)) for n in names), cfg.progress)
         try:
             for prompts in self._rounds():
                 for spec in specs:
-                    todo = [p for p in prompts if (spec.name, p.task, p.index) not in done]
+                    todo = self._todo(spec.name, prompts, done)
                     if todo:
                         self._run_ours(spec, todo, bar)
                 if ctx is None or state.prompt_ids is None:
@@ -449,20 +452,18 @@ class BenchRun:
                 ctx.eos_token_id = state.eos_token_id
                 ctx.max_prompt_tokens = max(len(i) for i in state.prompt_ids)
                 for peer in peers:
-                    todo_by_method = {n: [p for p in prompts if (n, p.task, p.index) not in done]
-                                      for n in self._peer_names(peer)}
+                    todo_by_method = {n: self._todo(n, prompts, done) for n in self._peer_names(peer)}
                     if any(todo_by_method.values()):
                         self._run_peer(peer, todo_by_method, bar)
         finally:
             bar.close()
-        summary = self._summary(self.prompts, machine, state.bandwidth)
+        summary = self._summary(self.prompts, state.bandwidth)
         from specdecode.bench.report import write_outputs
 
         write_outputs(cfg.out, self.records, summary, plots=cfg.plots)
         return summary
 
-    def _summary(self, prompts: list[BenchPrompt], machine: dict[str, Any],
-                 bandwidth: dict[str, Any] | None) -> dict[str, Any]:
+    def _summary(self, prompts: list[BenchPrompt], bandwidth: dict[str, Any] | None) -> dict[str, Any]:
         cfg, state = self.cfg, self.state
         assert state is not None
         records, complete = stats.complete_prompts(self.records)
@@ -501,10 +502,10 @@ class BenchRun:
         floor = floors.get("plain")
         config = asdict(cfg)
         config["out"] = str(cfg.out)
-        first = state.sessions[0] if state.sessions else {}
+        first = state.sessions[0]  # the run's command and machine: the session that started it
         return {
-            "command": first.get("command", self.command),
-            "machine": {k: v for k, v in first.items() if k not in ("command", "records_before")} or machine,
+            "command": first["command"],
+            "machine": {k: v for k, v in first.items() if k not in ("command", "records_before")},
             "sessions": [{k: s.get(k) for k in ("date", "cpu", "git_commit", "command", "records_before")}
                          for s in state.sessions],
             "config": config,
