@@ -131,6 +131,9 @@ class SpeculativeDecoder:
         self.prefill(seq)
         yield seq
         policy = self.new_policy()
+        tree_value: TreeValue | None = getattr(self.proposer, "tree_value", None)  # per-request, like the policy
+        if tree_value is not None:
+            tree_value.reset()
         while not seq.finished:
             if len(seq.token_ids) >= self.max_len:
                 seq.finish_length()
@@ -150,6 +153,8 @@ class SpeculativeDecoder:
                               draft_depth=res.depth)
             if policy is not None:
                 policy.observe(res.depth, res.num_accepted)
+            if tree_value is not None:
+                tree_value.observe(res.num_accepted)
             if self.proposer is not None and not seq.finished:
                 self.proposer.on_verified(seq.view(), res.num_accepted)
             yield seq

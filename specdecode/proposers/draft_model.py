@@ -30,7 +30,8 @@ class DraftModelProposer:
         self.node_budget = DEFAULT_NODE_BUDGET
         """Tree nodes per step when the width is dynamic (set from the engine's cost model)."""
         self.tree_value: TreeValue | None = None
-        """Set by the engine once it measured its forwards: how much of a grown tree gets verified."""
+        """Set by the engine once it measured its forwards (which also resets and feeds it per request):
+        how much of a grown tree gets verified."""
         self.tree_branching = tree_branching
         """Candidates (top-b draft tokens) expanded per kept node."""
         self._cache: KVCache | None = None
@@ -47,8 +48,6 @@ class DraftModelProposer:
         if self._cache is not None:
             self._cache.reset()
         self.num_cached = 0
-        if self.tree_value is not None:
-            self.tree_value.reset()
 
     @property
     def cache(self) -> KVCache:
@@ -108,8 +107,6 @@ class DraftModelProposer:
         self.num_cached = min(self.num_cached, valid)
         if self._cache is not None:
             self._cache.set_length(0, self.num_cached)
-        if self.tree_value is not None:
-            self.tree_value.observe(num_accepted)
 
     def step_cost_hint(self) -> float:
         """Seconds of one single-token draft forward, measured once (median of 5 after a warm-up); the

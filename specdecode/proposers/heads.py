@@ -33,7 +33,8 @@ class EagleProposer:
         self.tree_branching = tree_branching
         self.node_budget = DEFAULT_NODE_BUDGET
         self.tree_value: TreeValue | None = None
-        """Set by the engine once it measured its forwards: how much of a grown tree gets verified."""
+        """Set by the engine once it measured its forwards (which also resets and feeds it per request):
+        how much of a grown tree gets verified."""
         size = max_len + MAX_TREE_NODES
         self.cache = head.new_cache(size)
         self.features = torch.zeros(size, head.config.hidden_size, dtype=head.dtype, device=head.device)
@@ -47,8 +48,6 @@ class EagleProposer:
         self.cache.reset()
         self.num_features = 0
         self.num_cached = 0
-        if self.tree_value is not None:
-            self.tree_value.reset()
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         """Target features [m, D] of the next m positions (prompt at prefill, kept tokens after a step)."""
@@ -99,8 +98,6 @@ class EagleProposer:
     def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
         # Cached pairs used true features only; the accepted path is re-fed with its true features.
         self.num_cached = min(self.num_cached, self.num_features)
-        if self.tree_value is not None:
-            self.tree_value.observe(num_accepted)
 
     def step_cost_hint(self) -> float:
         """Seconds of one head level (a single-node forward plus its output rows), measured once."""
@@ -137,8 +134,6 @@ class MedusaProposer:
 
     def begin(self, seq: SequenceView) -> None:
         self.last = None
-        if self.tree_value is not None:
-            self.tree_value.reset()
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.last = hidden[-1]
@@ -158,8 +153,7 @@ class MedusaProposer:
                          select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint()))
 
     def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
-        if self.tree_value is not None:
-            self.tree_value.observe(num_accepted)
+        pass
 
     def step_cost_hint(self) -> float:
         if self._cost == 0.0:
