@@ -31,6 +31,10 @@ class SpeculativeConfig:
     """Longest suffix n-gram tried first."""
     max_speculative_tokens: int = 8
     """Upper bound on k when num_speculative_tokens is "auto"."""
+    draft_prompt_lookup: bool = True
+    """Draft model, chain: check prompt-lookup guesses (prompt_lookup_min/max) in the draft's forwards, so a
+    run of guessed tokens the draft would have drafted anyway costs one draft forward instead of one per
+    token. The draft tokens stay the draft model's own; only drafting gets cheaper."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
     draft_tree_width: int | None = None

@@ -110,7 +110,9 @@ def test_parse_method():
     assert parse_method("ngram-k3", None).speculative_config["num_speculative_tokens"] == 3
     assert parse_method("draft-k4", "d").speculative_config == {"method": "draft", "num_speculative_tokens": 4,
                                                                "model": "d"}
-    for bad in ("plain-k2", "medusa", "draft-k"):
+    assert parse_method("draft-nolookup-k4", "d").speculative_config == {
+        "method": "draft", "num_speculative_tokens": 4, "model": "d", "draft_prompt_lookup": False}
+    for bad in ("plain-k2", "medusa", "draft-k", "ngram-nolookup", "plain-nolookup"):
         with pytest.raises(ValueError):
             parse_method(bad, "d")
     with pytest.raises(ValueError, match="--draft"):

@@ -6,9 +6,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-_METHOD_RE = re.compile(r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree)?(?:-k(\d+))?$")
+_METHOD_RE = re.compile(r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree)?(-nolookup)?(?:-k(\d+))?$")
 METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
                "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default); "
+               "draft-nolookup drafts without checking prompt-lookup guesses; "
                "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4; default exact)")
 TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
 """Target formats a method may name after "@" (model/fast_linear.py's QUANTIZATIONS)."""
@@ -34,9 +35,10 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         spec = parse_method(base, draft, heads)
         return MethodSpec(name, spec.speculative_config, quant)
     m = _METHOD_RE.match(name)
-    if m is None or (m.group(1) in ("plain", "ngram") and m.group(2)) or (m.group(1) == "plain" and m.group(3)):
+    if (m is None or (m.group(1) in ("plain", "ngram") and m.group(2)) or (m.group(1) == "plain" and m.group(4))
+            or (m.group(3) and m.group(1) != "draft")):
         raise ValueError(f"unknown method {name!r}: {METHOD_HELP}")
-    kind, shape, k = m.groups()
+    kind, shape, nolookup, k = m.groups()
     if kind == "plain":
         return MethodSpec(name, None)
     cfg: dict[str, Any] = {"method": kind, "num_speculative_tokens": int(k) if k is not None else "auto"}
@@ -44,6 +46,8 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         if not draft:
             raise ValueError(f"method {name!r} needs --draft MODEL")
         cfg["model"] = draft
+        if nolookup:
+            cfg["draft_prompt_lookup"] = False
     if kind in ("eagle", "medusa"):
         head = (heads or {}).get(kind)
         if not head:

@@ -119,7 +119,9 @@ class LLM:
             convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
             draft_model = self.draft.model
             width, branching = spec.tree_width, spec.draft_tree_branching
-            self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len, width, branching)
+            lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.draft_prompt_lookup else None
+            self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len, width, branching,
+                                                               lookup)
         elif isinstance(self.head, EagleHead):
             head, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
             self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching)

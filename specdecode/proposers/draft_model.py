@@ -14,6 +14,7 @@ import torch
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, SequenceView
+from specdecode.proposers.ngram_match import ngram_match
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, TreeLevel, grow_tree, level_width
 from specdecode.proposers.tree_value import TreeValue, node_selector
 from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
@@ -23,8 +24,21 @@ from specdecode.tree import MAX_TREE_NODES
 class DraftModelProposer:
     name = "draft"
 
-    def __init__(self, model: Transformer, max_len: int, tree_width: int = 1, tree_branching: int = 2) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        max_len: int,
+        tree_width: int = 1,
+        tree_branching: int = 2,
+        prompt_lookup: tuple[int, int] | None = None,
+    ) -> None:
         self.model = model
+        self.prompt_lookup = prompt_lookup
+        """(min_n, max_n) to draft a chain with prompt-lookup guesses checked in one draft forward (see
+        `_propose_chain`), or None for one draft forward per token."""
+        self.forwards = 0
+        self.drafted = 0
+        """Draft forwards and chain tokens drafted so far (tests and telemetry: what the guesses saved)."""
         self.tree_width = tree_width
         """Nodes kept per tree level (1 = a chain, 0 = node_budget / depth)."""
         self.node_budget = DEFAULT_NODE_BUDGET
@@ -58,47 +72,82 @@ class DraftModelProposer:
 
     def _feed(self, ids: list[int]) -> torch.Tensor | None:
         """Append ids to our cache; returns fp32 logits of the last one [V]."""
+        rows = self._feed_rows(ids, last_only=True)
+        return None if rows is None else rows[0]
+
+    def _feed_rows(self, ids: list[int], last_only: bool = False) -> torch.Tensor | None:
+        """Append ids to our cache; returns fp32 logits after each of them [len(ids), V] (or [1, V])."""
         if not ids:
             return None
         dev = self.model.device
         start = self.num_cached
         tokens = torch.tensor([ids], device=dev)
         positions = torch.arange(start, start + len(ids), device=dev).unsqueeze(0)
-        hidden = self.model(tokens, positions, self.cache)
+        hidden = self.model(tokens, positions, self.cache)  # [1, len(ids), H]
+        self.forwards += 1
         self.num_cached = start + len(ids)
         self.cache.set_length(0, self.num_cached)
-        return self.model.compute_logits(hidden[0, -1])
+        return self.model.compute_logits(hidden[0, -1:] if last_only else hidden[0])
 
     def propose(self, seq: SequenceView, k: int) -> Draft:
         if k <= 0:
             return Draft()
         if self.tree_width != 1:
             return self._propose_tree(seq, k)
+        return self._propose_chain(seq, k)
+
+    def _propose_chain(self, seq: SequenceView, k: int) -> Draft:
+        """k tokens drafted one after another, as the draft model alone would draft them.
+
+        With `prompt_lookup`, each forward also carries a guess of what the draft will pick next: the
+        continuation of the latest earlier occurrence of the suffix (prompt lookup). One forward over
+        [token, guess...] gives the draft's logits after every guessed token; the guess holds as long as
+        the draft picks its tokens, so an accepted run of g guesses costs one forward instead of g. The
+        tokens (and, sampling, the uniforms drawn and the probabilities) are those of the plain loop, up
+        to the float rounding of a wider forward: a wrong guess only wastes rows of a forward. Penalties
+        keep the plain loop (their counts change with every drafted token).
+        """
         params = seq.params
-        logits = self._feed(seq.token_ids[self.num_cached :])
+        logits = self._feed(seq.token_ids[self.num_cached :])  # [V] after the newest token
         if logits is None:  # cannot happen once begin() ran; keeps the invariant explicit
             raise RuntimeError("draft cache is ahead of the sequence")
-        tokens: list[int] = []
-        probs_rows: list[torch.Tensor] = []
         stochastic = not params.greedy
         counts = seq.output_counts
-        for i in range(k):
+        lookup = self.prompt_lookup if counts is None else None
+        tokens: list[int] = []
+        probs_rows: list[torch.Tensor] = []
+
+        def pick(row: torch.Tensor) -> int:
+            """The draft's next token from its logits row [V] (one uniform drawn when sampling)."""
             if params.greedy and not params.has_penalties:
-                tok = int(logits.argmax())
-            else:
-                row_counts = None
-                if counts is not None:
-                    # Position i sees the draft tokens before it as output, as the target will.
-                    row_counts = block_output_counts(counts, torch.tensor(tokens, dtype=torch.long))[-1]
-                probs = logits_to_probs(logits, params, row_counts, seq.prompt_mask)  # [V]
-                if stochastic:
-                    tok = int(sample_from_probs(probs, draw_uniforms(1, seq.generator)[0]))
-                    probs_rows.append(probs)
-                else:
-                    tok = int(probs.argmax())
-            tokens.append(tok)
-            if i + 1 < k:
-                logits = self._feed([tok])
+                return int(row.argmax())
+            row_counts = None
+            if counts is not None:
+                # Position i sees the draft tokens before it as output, as the target will.
+                row_counts = block_output_counts(counts, torch.tensor(tokens, dtype=torch.long))[-1]
+            probs = logits_to_probs(row, params, row_counts, seq.prompt_mask)  # [V]
+            if not stochastic:
+                return int(probs.argmax())
+            probs_rows.append(probs)
+            return int(sample_from_probs(probs, draw_uniforms(1, seq.generator)[0]))
+
+        tokens.append(pick(logits))
+        while len(tokens) < k:
+            guess = ngram_match(seq.token_ids + tokens, *lookup, k - len(tokens)) if lookup else []
+            fed = [tokens[-1], *guess]
+            start = self.num_cached
+            rows = self._feed_rows(fed)  # [1 + len(guess), V]; row i follows fed[: i + 1]
+            assert rows is not None
+            used = 0
+            while True:
+                tokens.append(pick(rows[used]))
+                if len(tokens) == k or used == len(guess) or tokens[-1] != guess[used]:
+                    break
+                used += 1
+            # Only fed[: used + 1] agree with the drafted tokens; rows past them were a wrong guess.
+            self.num_cached = start + used + 1
+            self.cache.set_length(0, self.num_cached)
+        self.drafted += len(tokens)
         return Draft(tokens, torch.stack(probs_rows) if stochastic else None)
 
     def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
