@@ -63,8 +63,9 @@ def _draft(model, tokens: list[int], params: SamplingParams, k: int, lookup, see
     proposer.begin(seq)
     first = proposer.propose(seq, k)
     # A second step after a partial acceptance: the cache keeps only what the draft agreed with.
-    seq.token_ids += first.tokens[:2] + [7]
-    proposer.on_verified(seq, 2)
+    kept = min(2, len(first.tokens))
+    seq.token_ids += first.tokens[:kept] + [7]
+    proposer.on_verified(seq, kept)
     second = proposer.propose(seq, k)
     return first, second, proposer.forwards, gen.get_state()
 
@@ -115,3 +116,30 @@ def test_engine_output_equals_plain_with_and_without_lookup(tiny_llama_dir: Path
         llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
         out = llm.generate([prompt], params)[0].token_ids
         assert out == plain
+
+
+def test_skip_the_draft_when_the_guess_pays(draft_model) -> None:  # noqa: ANN001
+    text = _own_text(draft_model, [5, 9, 14, 3, 22, 9, 14, 3], 60)
+    proposer = DraftModelProposer(draft_model, 512, prompt_lookup=LOOKUP)
+    proposer._cost = 0.02  # a draft forward costs a fifth of a target forward
+    proposer.target_seconds = lambda t: 0.1
+    seq = SequenceView(text[:40], 8, SamplingParams(temperature=0.0), torch.Generator())
+    proposer.begin(seq)
+    draft = proposer.propose(seq, 4)
+    assert proposer.forwards == 0 and draft.tokens == text[40:44] and draft.probs is None  # a bare guess
+    # The target rejects guesses: their rate falls until drafting pays again.
+    for _ in range(12):
+        draft = proposer.propose(seq, 4)
+        proposer.on_verified(seq, 0 if proposer._guessed else len(draft))
+    assert proposer.forwards > 0 and proposer.guess_rate.value < 0.5 < proposer.draft_rate.value
+
+
+def test_engine_auto_k_with_guesses_equals_plain(tiny_llama_dir: Path) -> None:
+    prompt = [5, 9, 14, 3, 22, 9, 14, 3, 5, 9, 14, 3] * 3
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tiny_llama_dir), dtype="fp32").generate([prompt], params)[0].token_ids
+    spec = {"method": "draft", "model": str(tiny_llama_dir)}
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
+    proposer = llm.decoder.proposer
+    assert isinstance(proposer, DraftModelProposer) and proposer.target_seconds is not None
+    assert llm.generate([prompt], params)[0].token_ids == plain

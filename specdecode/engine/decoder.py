@@ -194,4 +194,6 @@ class SpeculativeDecoder:
         self.cost = CostModel.from_points(points, max(ts), draft_step_seconds=draft_step, tree_nodes=nodes)
         if tree:
             self.proposer.tree_value = TreeValue(self.cost.target_forward_seconds)  # type: ignore[union-attr]
+        elif hasattr(self.proposer, "target_seconds"):  # a draft model weighing lookup guesses against drafting
+            self.proposer.target_seconds = self.cost.target_forward_seconds  # type: ignore[union-attr]
         return self.cost

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, SequenceView
+from specdecode.proposers.lookup_choice import AcceptanceRate, guess_beats_draft
 from specdecode.proposers.ngram_match import ngram_match
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, TreeLevel, grow_tree, level_width
 from specdecode.proposers.tree_value import TreeValue, node_selector
@@ -36,6 +38,18 @@ class DraftModelProposer:
         self.prompt_lookup = prompt_lookup
         """(min_n, max_n) to draft a chain with prompt-lookup guesses checked in one draft forward (see
         `_propose_chain`), or None for one draft forward per token."""
+        self.target_seconds: Callable[[int], float] | None = None
+        """Set by the engine once it measured its forwards: seconds of a target forward over t tokens. With
+        it (and `prompt_lookup`), a step whose guess promises more tokens per second than drafting
+        proposes the guess alone and skips the draft model (`guess_beats_draft`)."""
+        self.guess_rate = AcceptanceRate()
+        self.draft_rate = AcceptanceRate()
+        """Per-request acceptance of lookup guesses (judged by the target, or by the draft while it drafts)
+        and of the draft model's tokens."""
+        self._guessed = 0
+        """Tokens of the last proposal that were a bare guess (0: the draft model drafted)."""
+        self._proposed = 0
+        """Tokens of the last chain proposal."""
         self.forwards = 0
         self.drafted = 0
         """Draft forwards and chain tokens drafted so far (tests and telemetry: what the guesses saved)."""
@@ -62,6 +76,8 @@ class DraftModelProposer:
         if self._cache is not None:
             self._cache.reset()
         self.num_cached = 0
+        self.guess_rate.reset()
+        self.draft_rate.reset()
 
     @property
     def cache(self) -> KVCache:
@@ -90,11 +106,21 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden[0, -1:] if last_only else hidden[0])
 
     def propose(self, seq: SequenceView, k: int) -> Draft:
+        self._guessed = self._proposed = 0
         if k <= 0:
             return Draft()
         if self.tree_width != 1:
             return self._propose_tree(seq, k)
-        return self._propose_chain(seq, k)
+        if self.prompt_lookup and self.target_seconds is not None and seq.output_counts is None:
+            guess = ngram_match(seq.token_ids, *self.prompt_lookup, k)
+            if guess_beats_draft(len(guess), k, self.guess_rate.value, self.draft_rate.value, self.target_seconds,
+                                 self.step_cost_hint()):
+                # A point mass, as from the n-gram proposer; the draft catches up on it when next used.
+                self._guessed = self._proposed = len(guess)
+                return Draft(guess)
+        draft = self._propose_chain(seq, k)
+        self._proposed = len(draft)
+        return draft
 
     def _propose_chain(self, seq: SequenceView, k: int) -> Draft:
         """k tokens drafted one after another, as the draft model alone would draft them.
@@ -141,7 +167,14 @@ class DraftModelProposer:
             used = 0
             while True:
                 tokens.append(pick(rows[used]))
-                if len(tokens) == k or used == len(guess) or tokens[-1] != guess[used]:
+                if used == len(guess):
+                    if guess:
+                        self.guess_rate.observe(used, used)  # every guessed token agreed
+                    break
+                agreed = tokens[-1] == guess[used]
+                if not agreed or len(tokens) == k:
+                    # The draft judged the guess (free evidence of how good guesses are right now).
+                    self.guess_rate.observe(used + 1, used + agreed)
                     break
                 used += 1
             # Only fed[: used + 1] agree with the drafted tokens; rows past them were a wrong guess.
@@ -151,6 +184,8 @@ class DraftModelProposer:
         return Draft(tokens, torch.stack(probs_rows) if stochastic else None)
 
     def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
+        if self._proposed:  # a chain (trees and k = 0 steps say nothing about either rate)
+            (self.guess_rate if self._guessed else self.draft_rate).observe(self._proposed, num_accepted)
         # Our cache holds the prefix plus the first k-1 draft tokens; keep only accepted ones.
         valid = len(seq.token_ids) - 1  # everything but the step's new token is final
         self.num_cached = min(self.num_cached, valid)
