@@ -62,6 +62,12 @@ def spec_same(tiny_llama_dir: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
+def spec_same_auto(tiny_llama_dir: Path) -> LLM:
+    """Adaptive k: the draft model may also propose bare prompt-lookup guesses."""
+    return fp32(tiny_llama_dir, {"method": "draft", "model": str(tiny_llama_dir)})
+
+
+@pytest.fixture(scope="module")
 def spec_ngram(tiny_llama_dir: Path) -> LLM:
     return fp32(tiny_llama_dir, NGRAM)
 
@@ -141,6 +147,18 @@ def _forbid_compute(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llm.decoder, "prefill", boom)
 
 
+def test_vllm_dict_prompts(plain: LLM) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = plain.tokenizer.encode(PROMPT)
+    want = plain.generate(PROMPT, params)[0].token_ids
+    outs = plain.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids}], params)
+    assert [o.token_ids for o in outs] == [want, want]
+    assert plain.generate({"prompt": PROMPT}, params)[0].token_ids == want
+    for bad in ({"prompt": PROMPT, "prompt_token_ids": ids}, {"text": PROMPT}, {"prompt_token_ids": PROMPT}):
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            plain.generate(bad, params)
+
+
 def test_prompt_plus_max_tokens_over_context_is_refused_before_compute(
     spec_random: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -204,11 +222,12 @@ def sampled(seed: int | None, max_tokens: int = 24, **kw: Any) -> SamplingParams
     return SamplingParams(**base)
 
 
-@pytest.mark.parametrize("which", ["plain", "spec_random", "spec_same", "spec_ngram"])
+@pytest.mark.parametrize("which", ["plain", "spec_random", "spec_same", "spec_ngram", "spec_same_auto"])
 def test_seeded_sampling_is_reproducible(which: str, request: pytest.FixtureRequest) -> None:
     llm: LLM = request.getfixturevalue(which)
-    a = llm.generate([PROMPT, "The quick"], sampled(seed=1234))
-    b = llm.generate([PROMPT, "The quick"], sampled(seed=1234))
+    repeats = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps"  # lookup guesses
+    a = llm.generate([PROMPT, "The quick", repeats], sampled(seed=1234))
+    b = llm.generate([PROMPT, "The quick", repeats], sampled(seed=1234))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.text for o in a] == [o.text for o in b]
     # Other seeds give other samples (at temperature 1.5 the tiny model is far from deterministic).
@@ -230,7 +249,7 @@ SAMPLING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("which", ["spec_random", "spec_same", "spec_ngram"])
+@pytest.mark.parametrize("which", ["spec_random", "spec_same", "spec_ngram", "spec_same_auto"])
 @pytest.mark.parametrize("case", SAMPLING_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_sampling_with_speculation(which: str, case: dict[str, Any], request: pytest.FixtureRequest) -> None:
     llm: LLM = request.getfixturevalue(which)

@@ -40,7 +40,8 @@ from specdecode.tree import MAX_TREE_NODES
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]
+"""Text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids}."""
 Messages = list[dict[str, str]]
 
 
@@ -157,6 +158,8 @@ class LLM:
 
     def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         """Validate and tokenize one request (raises ValueError on bad input)."""
+        if isinstance(prompt, dict):
+            prompt = _unwrap_prompt(prompt)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt: give at least one token")
@@ -175,7 +178,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs in prompt order."""
         params = sampling_params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         seqs = [self.new_sequence(p, params) for p in prompts]  # validate all before any compute
         return [self.decoder.generate(s).to_output() for s in seqs]
@@ -201,3 +204,14 @@ class LLM:
             delta = s.take_stream_text()
             if delta or s.finished:
                 yield delta, s
+
+
+def _unwrap_prompt(prompt: dict[str, Any]) -> str | list[int]:
+    """vLLM's TextPrompt / TokensPrompt dicts: exactly one of "prompt" and "prompt_token_ids"."""
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+        return prompt["prompt_token_ids"]
+    raise ValueError(f'a dict prompt needs exactly one key, "prompt" (text) or "prompt_token_ids" (a list of ids), '
+                     f"got keys {sorted(keys)}")
