@@ -32,9 +32,10 @@ class SpeculativeConfig:
     max_speculative_tokens: int = 8
     """Upper bound on k when num_speculative_tokens is "auto"."""
     draft_prompt_lookup: bool = True
-    """Draft model, chain: check prompt-lookup guesses (prompt_lookup_min/max) in the draft's forwards, so a
-    run of guessed tokens the draft would have drafted anyway costs one draft forward instead of one per
-    token. The draft tokens stay the draft model's own; only drafting gets cheaper."""
+    """Use prompt-lookup guesses (prompt_lookup_min/max) beside the drafter. Draft-model chains: the guesses
+    ride along in the draft's forwards (a run the draft would have drafted anyway costs one forward), and a
+    step verifies the guess alone when it promises more tokens per second than drafting. Trees (draft
+    model, EAGLE, Medusa): the guess is grafted onto the tree as one more branch."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
     draft_tree_width: int | None = None

@@ -69,3 +69,21 @@ def test_tree_output_counts_follow_each_path() -> None:
     assert counts[1, 4] == 1 and counts[1, 5] == 0
     assert counts[2, 5] == 1 and counts[2, 4] == 0
     assert counts[3, 4] == 2 and counts[3, 7] == 1 and counts[3, 9] == 0
+
+
+def test_tree_with_lookup_branch_equals_plain(plain_tiny, tiny_llama_dir: Path, tiny_llama_other_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A random drafter's trees plus a grafted guess that is the target's own continuation (an oracle in
+    place of prompt lookup): the guess branch is accepted through the tree, and the output stays exact."""
+    base, ref = plain_tiny
+    prompts = tiny_prompts(base)
+
+    def oracle(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+        i = next(i for i, p in enumerate(prompts) if token_ids[: len(p)] == p)
+        return ref[i][len(token_ids) - len(prompts[i]):][:k]
+
+    monkeypatch.setattr("specdecode.proposers.tree_growth.ngram_match", oracle)
+    spec = _spec(str(tiny_llama_other_dir), 2, 2, 4)
+    outs = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.metrics["mean_accepted_length"] > 3.0 for o in outs)  # the random tree alone gets ~1

@@ -104,6 +104,7 @@ class LLM:
         convert_linears(self.target.model, target_linear_format(quantization, self.dtype, self.device))
         self.draft: LoadedModel | None = None
         self.proposer_factory: Callable[[], Proposer] | None = None
+        lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.draft_prompt_lookup else None
         if spec is not None and spec.method == "draft":
             assert draft_path is not None
             # Refuse an incompatible draft before paying for its weights.
@@ -120,15 +121,14 @@ class LLM:
             convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
             draft_model = self.draft.model
             width, branching = spec.tree_width, spec.draft_tree_branching
-            lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.draft_prompt_lookup else None
             self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len, width, branching,
                                                                lookup)
         elif isinstance(self.head, EagleHead):
             head, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
-            self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching)
+            self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching, lookup)
         elif isinstance(self.head, MedusaHeads):
             medusa, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
-            self.proposer_factory = lambda: MedusaProposer(medusa, width, branching)
+            self.proposer_factory = lambda: MedusaProposer(medusa, width, branching, lookup)
         elif spec is not None:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
             self.proposer_factory = lambda: NgramProposer(lo, hi)

@@ -17,7 +17,13 @@ from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, SequenceView
 from specdecode.proposers.lookup_choice import AcceptanceRate, guess_beats_draft
 from specdecode.proposers.ngram_match import ngram_match
-from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, TreeLevel, grow_tree, level_width
+from specdecode.proposers.tree_growth import (
+    DEFAULT_NODE_BUDGET,
+    TreeLevel,
+    grow_tree,
+    level_width,
+    with_lookup_branch,
+)
 from specdecode.proposers.tree_value import TreeValue, node_selector
 from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
 from specdecode.tree import MAX_TREE_NODES
@@ -37,7 +43,8 @@ class DraftModelProposer:
         self.model = model
         self.prompt_lookup = prompt_lookup
         """(min_n, max_n) to draft a chain with prompt-lookup guesses checked in one draft forward (see
-        `_propose_chain`), or None for one draft forward per token."""
+        `_propose_chain`), or None for one draft forward per token; a tree gets the guess as one more
+        branch (`with_lookup_branch`)."""
         self.target_seconds: Callable[[int], float] | None = None
         """Set by the engine once it measured its forwards: seconds of a target forward over t tokens. With
         it (and `prompt_lookup`), a step whose guess promises more tokens per second than drafting
@@ -110,7 +117,7 @@ class DraftModelProposer:
         if k <= 0:
             return Draft()
         if self.tree_width != 1:
-            return self._propose_tree(seq, k)
+            return with_lookup_branch(self._propose_tree(seq, k), seq.token_ids, self.prompt_lookup, k)
         if self.prompt_lookup and self.target_seconds is not None and seq.output_counts is None:
             guess = ngram_match(seq.token_ids, *self.prompt_lookup, k)
             if guess_beats_draft(len(guess), k, self.guess_rate.value, self.draft_rate.value, self.target_seconds,

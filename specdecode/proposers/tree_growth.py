@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.proposers.base import Draft
+from specdecode.proposers.ngram_match import ngram_match
 from specdecode.tree import MAX_TREE_NODES
 
 DEFAULT_NODE_BUDGET = 16
@@ -118,3 +119,39 @@ def prune_to_best(tokens: list[int], parents: list[int], scores: list[float],
     kept = sorted(order[:n])
     new_index = {0: 0} | {old + 1: new for new, old in enumerate(kept, 1)}
     return [tokens[i] for i in kept], [new_index[parents[i]] for i in kept]
+
+
+def graft_chain(tokens: list[int], parents: list[int], chain: list[int],
+                max_nodes: int = MAX_TREE_NODES) -> tuple[list[int], list[int]]:
+    """Add `chain` (tokens following the root) to a tree as a path from the root.
+
+    The path shares the nodes the tree already has (a child with the same token under the same parent);
+    the rest are appended after the existing nodes, so parents stay before their children and siblings
+    stay distinct. The chain is cut when the tree holds `max_nodes` nodes."""
+    tokens, parents = list(tokens), list(parents)
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True), 1)}  # (parent, token) -> node
+    node = 0
+    for tok in chain:
+        nxt = child.get((node, tok))
+        if nxt is None:
+            if len(tokens) >= max_nodes:
+                break
+            tokens.append(tok)
+            parents.append(node)
+            nxt = child[(node, tok)] = len(tokens)
+        node = nxt
+    return tokens, parents
+
+
+def with_lookup_branch(draft: Draft, token_ids: list[int], lookup: tuple[int, int] | None, depth: int) -> Draft:
+    """A tree draft plus the prompt-lookup guess of `depth` tokens as one more branch: verification
+    checks both in the same target forward (copied text is accepted through the guess, the rest through
+    the drafter's tree). Chains and drafts without a guess come back unchanged."""
+    if lookup is None or not draft.is_tree:
+        return draft
+    guess = ngram_match(token_ids, *lookup, depth)
+    if not guess:
+        return draft
+    assert draft.parents is not None
+    tokens, parents = graft_chain(draft.tokens, draft.parents, guess)
+    return Draft(tokens, None, parents)
