@@ -58,8 +58,7 @@ class DraftModelProposer:
         self._proposed = 0
         """Tokens of the last chain proposal."""
         self.forwards = 0
-        self.drafted = 0
-        """Draft forwards and chain tokens drafted so far (tests and telemetry: what the guesses saved)."""
+        """Draft forwards so far (tests: what the guesses saved)."""
         self.tree_width = tree_width
         """Nodes kept per tree level (1 = a chain, 0 = node_budget / depth)."""
         self.node_budget = DEFAULT_NODE_BUDGET
@@ -187,7 +186,6 @@ class DraftModelProposer:
             # Only fed[: used + 1] agree with the drafted tokens; rows past them were a wrong guess.
             self.num_cached = start + used + 1
             self.cache.set_length(0, self.num_cached)
-        self.drafted += len(tokens)
         return Draft(tokens, torch.stack(probs_rows) if stochastic else None)
 
     def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
