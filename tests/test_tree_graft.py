@@ -35,6 +35,7 @@ def test_with_lookup_branch() -> None:
     history = [1, 2, 3, 40, 41, 42, 1, 2, 3]  # the suffix 1 2 3 was followed by 40 41 42
     out = with_lookup_branch(tree, history, (2, 3), 2)
     assert (out.tokens, out.parents, out.probs) == ([10, 11, 12, 13, 40, 41], [0, 0, 1, 2, 0, 5], None)
+    assert out.grafted == 2
     assert with_lookup_branch(tree, history, None, 2) is tree  # lookup off
     assert with_lookup_branch(tree, [7, 8, 9], (2, 3), 2) is tree  # no guess
     chain = Draft([10, 12], torch.rand(2, 50))

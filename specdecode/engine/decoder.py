@@ -29,6 +29,8 @@ class StepResult:
     """Positions offered: k for a chain, the longest path for a tree."""
     draft_seconds: float
     verify_seconds: float
+    drafter_accepted: int = 0
+    """Accepted tree nodes that the drafter proposed itself (not a grafted lookup guess)."""
 
 
 class SpeculativeDecoder:
@@ -78,19 +80,23 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         n = len(seq.token_ids)  # the cache holds n-1 tokens; the last one is pending
         depth = len(draft)
+        own = 0
         if draft.is_tree:
-            out, accepted, depth = self._verify_tree_step(seq, draft, n)
+            out, nodes, depth = self._verify_tree_step(seq, draft, n)
+            accepted = len(nodes)
+            own = sum(1 for i in nodes if i <= len(draft) - draft.grafted)
         else:
             hidden, logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [k+1, D], [k+1, V]
             out, accepted = verify_draft(seq, logits, draft)
             share_hidden(self.proposer, hidden[: accepted + 1])
         # Kept: the pending token and the accepted drafts; the new token becomes pending.
         self.cache.set_length(0, n + accepted)
-        return StepResult(out, len(draft), accepted, depth, t1 - t0, time.perf_counter() - t1)
+        return StepResult(out, len(draft), accepted, depth, t1 - t0, time.perf_counter() - t1, own)
 
-    def _verify_tree_step(self, seq: Sequence, draft: Draft, n: int) -> tuple[list[int], int, int]:
+    def _verify_tree_step(self, seq: Sequence, draft: Draft, n: int) -> tuple[list[int], list[int], int]:
         """One target forward over the whole tree with tree attention; the accepted path's K/V is then
-        compacted to follow the prefix."""
+        compacted to follow the prefix. Returns the output tokens, the accepted path's node indices and
+        the tree's depth."""
         assert draft.parents is not None
         buffers = build_tree([-1, *draft.parents])
         tokens = torch.tensor([seq.token_ids[-1], *draft.tokens])  # [N]; node 0 = pending token
@@ -106,7 +112,7 @@ class SpeculativeDecoder:
         out, nodes = verify_tree_draft(seq, logits, tokens, buffers)
         self.cache.compact(0, [n - 1 + i for i in nodes], n)
         share_hidden(self.proposer, hidden[0, [0, *nodes]])  # the root (pending token) and the accepted path
-        return out, len(nodes), buffers.max_depth
+        return out, nodes, buffers.max_depth
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -154,7 +160,7 @@ class SpeculativeDecoder:
             if policy is not None:
                 policy.observe(res.depth, res.num_accepted)
             if tree_value is not None:
-                tree_value.observe(res.num_accepted)
+                tree_value.observe(res.drafter_accepted)
             if self.proposer is not None and not seq.finished:
                 self.proposer.on_verified(seq.view(), res.num_accepted)
             yield seq

@@ -33,6 +33,9 @@ class Draft:
     parents: list[int] | None = None
     """For a tree: parent of each draft token as a tree index (0 = the pending token, j+1 = tokens[j]);
     None for a chain. Tree children are deterministic candidates (point masses)."""
+    grafted: int = 0
+    """Trailing tree nodes that came from a prompt-lookup guess, not from the drafter (whose confidence
+    calibration must not take credit for them)."""
 
     @property
     def is_tree(self) -> bool:
