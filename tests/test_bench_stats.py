@@ -112,6 +112,7 @@ def test_parse_method():
                                                                "model": "d"}
     assert parse_method("draft-nolookup-k4", "d").speculative_config == {
         "method": "draft", "num_speculative_tokens": 4, "model": "d", "draft_prompt_lookup": False}
+    assert parse_method("eagle-nolookup", None, {"eagle": "e"}).speculative_config["draft_prompt_lookup"] is False
     for bad in ("plain-k2", "medusa", "draft-k", "ngram-nolookup", "plain-nolookup"):
         with pytest.raises(ValueError):
             parse_method(bad, "d")

@@ -9,7 +9,7 @@ from typing import Any
 _METHOD_RE = re.compile(r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree)?(-nolookup)?(?:-k(\d+))?$")
 METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
                "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default); "
-               "draft-nolookup drafts without checking prompt-lookup guesses; "
+               "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; "
                "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4; default exact)")
 TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
 """Target formats a method may name after "@" (model/fast_linear.py's QUANTIZATIONS)."""
@@ -36,7 +36,7 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         return MethodSpec(name, spec.speculative_config, quant)
     m = _METHOD_RE.match(name)
     if (m is None or (m.group(1) in ("plain", "ngram") and m.group(2)) or (m.group(1) == "plain" and m.group(4))
-            or (m.group(3) and m.group(1) != "draft")):
+            or (m.group(3) and m.group(1) not in ("draft", "eagle", "medusa"))):
         raise ValueError(f"unknown method {name!r}: {METHOD_HELP}")
     kind, shape, nolookup, k = m.groups()
     if kind == "plain":
@@ -46,8 +46,6 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         if not draft:
             raise ValueError(f"method {name!r} needs --draft MODEL")
         cfg["model"] = draft
-        if nolookup:
-            cfg["draft_prompt_lookup"] = False
     if kind in ("eagle", "medusa"):
         head = (heads or {}).get(kind)
         if not head:
@@ -55,4 +53,6 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         cfg["model"] = head
     if shape is not None:
         cfg["draft_tree_width"] = 1 if shape == "-chain" else 0
+    if nolookup:
+        cfg["draft_prompt_lookup"] = False
     return MethodSpec(name, cfg)
