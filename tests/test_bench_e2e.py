@@ -167,6 +167,13 @@ def test_bench_rounds_and_resume(tiny_llama_dir: Path, tmp_path: Path, capsys: p
     # a crash: the last 4 records are lost and the final line is cut in half
     kept = full[:-4]
     (out / "records.jsonl").write_text("\n".join(kept) + "\n" + full[-4][:20])
+    # a report of the records so far, measuring nothing
+    assert main([*args, "--resume", "--report-only"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["num_prompts_complete"] < len(PROMPTS) and len(s["sessions"]) == 1
+    assert "partial run" in (out / "summary.md").read_text()
+    assert (out / "records.jsonl").read_text().splitlines() == kept
+    assert main([*args, "--report-only"]) != 0  # needs a stored run
     assert main([*args, "--resume"]) == 0
     resumed = (out / "records.jsonl").read_text().splitlines()
     assert resumed[: len(kept)] == kept and len(resumed) == len(full)

@@ -73,6 +73,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue the run stored in --out (same settings), skipping what it already measured")
     b.add_argument("--redo", type=_csv, default=[],
                    help="with --resume: measure these methods again (their stored records are dropped)")
+    b.add_argument("--report-only", action="store_true",
+                   help="with --resume: write summary.md, summary.json and the plots from the records so far "
+                        "(a run still in progress, or stopped), measuring nothing")
     b.add_argument("--out", type=Path, required=True, help="output directory")
     b.set_defaults(func=run_bench_command)
 
@@ -98,10 +101,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         temperature=args.temperature, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         peers=args.peers, seed=args.seed, warmup=not args.no_warmup, bandwidth_gb=args.bandwidth_gb,
         plots=not args.no_plots, progress=not args.no_progress, heads=heads, round_size=args.round_size,
-        resume=args.resume, peer_methods=args.peer_methods, redo=args.redo,
+        resume=args.resume, peer_methods=args.peer_methods, redo=args.redo, report_only=args.report_only,
     )
-    if args.redo and not args.resume:
-        raise ValueError("--redo needs --resume (a new run measures every method anyway)")
+    if (args.redo or args.report_only) and not args.resume:
+        raise ValueError("--redo and --report-only need --resume (they act on a stored run)")
     summary = run_bench(cfg, _command_line(args))
     print(_short_table(summary))
     print(f"wrote {args.out}/summary.md, summary.json, records.jsonl and plots", file=sys.stderr)

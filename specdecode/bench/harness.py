@@ -68,6 +68,8 @@ class BenchConfig:
     """Keep only these peer methods (e.g. hf-plain,hf-assisted); None = all the peers offer."""
     redo: list[str] = field(default_factory=list)
     """With resume: methods whose stored records are dropped and measured again."""
+    report_only: bool = False
+    """With resume: write the summary and plots of the records so far, measuring nothing."""
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -419,6 +421,8 @@ class BenchRun:
         cfg = self.cfg
         self.prompts = load_prompts(cfg.dataset, cfg.tasks, cfg.per_task, cfg.limit)
         state = self.state = RunState.start(cfg.out, asdict(cfg), cfg.resume)
+        if cfg.report_only:
+            return self._write_outputs()
         machine = machine_info()
         if cfg.redo:
             state.add_note(f"{machine['date']}: measured again: {', '.join(cfg.redo)} "
@@ -457,10 +461,14 @@ class BenchRun:
                         self._run_peer(peer, todo_by_method, bar)
         finally:
             bar.close()
-        summary = self._summary(self.prompts, state.bandwidth)
+        return self._write_outputs()
+
+    def _write_outputs(self) -> dict[str, Any]:
         from specdecode.bench.report import write_outputs
 
-        write_outputs(cfg.out, self.records, summary, plots=cfg.plots)
+        assert self.state is not None
+        summary = self._summary(self.prompts, self.state.bandwidth)
+        write_outputs(self.cfg.out, self.records, summary, plots=self.cfg.plots)
         return summary
 
     def _summary(self, prompts: list[BenchPrompt], bandwidth: dict[str, Any] | None) -> dict[str, Any]:
