@@ -420,7 +420,7 @@ class BenchRun:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         self.prompts = load_prompts(cfg.dataset, cfg.tasks, cfg.per_task, cfg.limit)
-        state = self.state = RunState.start(cfg.out, asdict(cfg), cfg.resume)
+        state = self.state = RunState.start(cfg.out, asdict(cfg), cfg.resume, read_only=cfg.report_only)
         if cfg.report_only:
             return self._write_outputs()
         machine = machine_info()
@@ -468,7 +468,7 @@ class BenchRun:
 
         assert self.state is not None
         summary = self._summary(self.prompts, self.state.bandwidth)
-        write_outputs(self.cfg.out, self.records, summary, plots=self.cfg.plots)
+        write_outputs(self.cfg.out, None if self.cfg.report_only else self.records, summary, plots=self.cfg.plots)
         return summary
 
     def _summary(self, prompts: list[BenchPrompt], bandwidth: dict[str, Any] | None) -> dict[str, Any]:

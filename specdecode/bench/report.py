@@ -29,9 +29,12 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def write_outputs(out: Path, records: list[dict[str, Any]], summary: dict[str, Any], plots: bool = True) -> None:
+def write_outputs(out: Path, records: list[dict[str, Any]] | None, summary: dict[str, Any], plots: bool = True) -> None:
+    """summary.json, summary.md and the plots; records.jsonl too unless `records` is None (a report on a
+    run that may still be appending to it)."""
     out.mkdir(parents=True, exist_ok=True)
-    write_records(out / "records.jsonl", records)
+    if records is not None:
+        write_records(out / "records.jsonl", records)
     (out / "summary.json").write_text(json.dumps(_clean(summary), indent=1) + "\n", encoding="utf-8")
     made = write_plots(out, summary) if plots else []
     (out / "summary.md").write_text(render_markdown(summary, made), encoding="utf-8")

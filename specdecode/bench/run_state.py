@@ -62,8 +62,9 @@ class RunState:
     records: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def start(cls, out: Path, key: dict[str, Any], resume: bool) -> RunState:
-        """A fresh run in ``out`` (previous records there are discarded), or the stored one."""
+    def start(cls, out: Path, key: dict[str, Any], resume: bool, read_only: bool = False) -> RunState:
+        """A fresh run in ``out`` (previous records there are discarded), or the stored one (`read_only`:
+        to report on it, leaving its files alone while the run may still be appending)."""
         out.mkdir(parents=True, exist_ok=True)
         key = _json_roundtrip({k: key.get(k) for k in KEY_FIELDS})
         path = out / STATE_FILE
@@ -83,7 +84,8 @@ class RunState:
         fields = {k: data[k] for k in ("prompt_ids", "eos_token_id", "plain_weights", "bandwidth", "resources",
                                        "notes", "sessions") if k in data}
         state = cls(out, key, **fields, records=read_records(out / RECORDS_FILE))
-        state._rewrite_records()  # a line cut short by a crash must not prefix the next appended record
+        if not read_only:
+            state._rewrite_records()  # a line cut short by a crash must not prefix the next appended record
         return state
 
     def _rewrite_records(self) -> None:
