@@ -99,8 +99,10 @@ def test_llamacpp_peer_with_a_fake_module(monkeypatch: pytest.MonkeyPatch) -> No
     made = []
 
     class FakeLlama:
-        def __init__(self, model_path, n_threads, n_ctx, verbose, seed, draft_model):
+        def __init__(self, model_path, n_threads, n_ctx, verbose, seed, draft_model, logits_all):
             self.draft_model, self.resets, self.closed = draft_model, 0, False
+            # llama-cpp-python sizes its logits buffer by this argument: a draft needs every row
+            assert logits_all == (draft_model is not None)
             made.append(self)
 
         def token_eos(self):

@@ -245,8 +245,11 @@ class LlamaCppPeer(Peer):
     def _new_llama(self, draft_model: Any = None, path: Path | None = None) -> Any:
         from llama_cpp import Llama
 
+        # With a draft model llama-cpp-python keeps every position's logits, but sizes that buffer by the
+        # logits_all argument: left False, it holds n_batch rows and a prompt longer than n_batch (512)
+        # fails ("could not broadcast ... into shape (0,)"). Asking for it explicitly sizes it n_ctx.
         llm = Llama(model_path=str(path or self.ctx.target_path), n_threads=self.ctx.threads, n_ctx=self._n_ctx(),
-                    verbose=False, seed=self.ctx.seed, draft_model=draft_model)
+                    verbose=False, seed=self.ctx.seed, draft_model=draft_model, logits_all=draft_model is not None)
         self.llms.append(llm)
         return llm
 
