@@ -41,6 +41,16 @@ class Draft:
     def is_tree(self) -> bool:
         return self.parents is not None
 
+    def leading_chain(self) -> Draft:
+        """What a chain-only verifier can check: a tree's leading path (each node the child of the one
+        before it, as a width-1 tree or a tree's first nodes are), without any later branch; a chain as is."""
+        if self.parents is None:
+            return self
+        n = 0
+        while n < len(self.parents) and self.parents[n] == n:
+            n += 1
+        return Draft(self.tokens[:n])
+
     def __len__(self) -> int:
         return len(self.tokens)
 
