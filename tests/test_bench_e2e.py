@@ -226,3 +226,30 @@ def test_llamacpp_draft_model_reuses_the_shared_prefix() -> None:
     fake.n_tokens = 3
     assert draft(np.array([1, 2, 3], dtype=np.intc)).tolist() == [4, 5, 6]
     assert fake.evaluated[5] == [3]
+
+
+def test_resumed_run_probes_bandwidth_every_session(tiny_llama_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory floor uses the median of the sessions' bandwidth probes, not the first one alone."""
+    reads = iter([60.0, 30.0, 35.0])
+
+    def probe(gigabytes: float) -> dict:
+        return {"bytes": 1000, "repeats": 1, "threads": 1, "read_gb_per_s": next(reads), "copy_gb_per_s": 1.0}
+
+    monkeypatch.setattr("specdecode.bench.harness.measure_bandwidth", probe)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:1]))
+    out = tmp_path / "out"
+    args = ["bench", "--model", str(tiny_llama_dir), "--methods", "plain", "--dataset", str(data),
+            "--max-tokens", "4", "--dtype", "fp32", "--no-plots", "--no-progress", "--out", str(out)]
+    assert main(args) == 0
+    assert json.loads((out / "summary.json").read_text())["bandwidth"]["read_gb_per_s"] == 60.0
+    # a run stored before sessions kept their probes: its one probe is in the state's bandwidth only
+    state = json.loads((out / "run-state.json").read_text())
+    del state["sessions"][0]["bandwidth"]
+    (out / "run-state.json").write_text(json.dumps(state))
+    assert main([*args, "--resume"]) == 0 and main([*args, "--resume"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["bandwidth"]["read_gb_per_s"] == 35.0
+    assert summary["bandwidth"]["probes_read_gb_per_s"] == [60.0, 30.0, 35.0]
+    assert "median of 3 session probes: 60.0, 30.0, 35.0 GB/s" in (out / "summary.md").read_text()

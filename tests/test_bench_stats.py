@@ -242,3 +242,15 @@ def test_resumed_run_state_appends_after_a_cut_off_line(tmp_path):
     assert resumed.done() == {("plain", "t", 0)}
     resumed.add_record({"method": "plain", "task": "t", "prompt_index": 1})
     assert [r["prompt_index"] for r in read_records(tmp_path / RECORDS_FILE)] == [0, 1]
+
+
+def test_median_probe() -> None:
+    from specdecode.bench.bandwidth import median_probe
+
+    probes = [{"read_gb_per_s": v, "copy_gb_per_s": 2 * v} for v in (30.0, 60.0, 35.0)]
+    best = median_probe(probes)
+    assert (best["read_gb_per_s"], best["copy_gb_per_s"]) == (35.0, 70.0)
+    assert best["probes_read_gb_per_s"] == [30.0, 60.0, 35.0]
+    assert median_probe(probes[:2])["read_gb_per_s"] == 30.0  # the lower of two
+    with pytest.raises(ValueError):
+        median_probe([])

@@ -123,3 +123,13 @@ def module_bytes(module: nn.Module) -> int:
 def memory_floor(bandwidth_gb_per_s: float, weight_bytes: int) -> float:
     """Upper bound on plain tokens/s when every weight byte is read once per token."""
     return bandwidth_gb_per_s * 1e9 / weight_bytes if weight_bytes else float("inf")
+
+
+def median_probe(probes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The probe of median read bandwidth (the lower one of an even count) among a resumed run's sessions,
+    with every probe's read GB/s listed: on a shared machine one probe can land on a quiet or a busy
+    moment, and the floor should not hang on it."""
+    if not probes:
+        raise ValueError("no bandwidth probes")
+    ranked = sorted(probes, key=lambda b: b["read_gb_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "probes_read_gb_per_s": [b["read_gb_per_s"] for b in probes]}

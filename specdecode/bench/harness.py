@@ -27,7 +27,13 @@ from typing import Any
 import torch
 
 from specdecode.bench import stats
-from specdecode.bench.bandwidth import measure_bandwidth, memory_floor, module_bytes, weight_bytes_per_token
+from specdecode.bench.bandwidth import (
+    measure_bandwidth,
+    median_probe,
+    memory_floor,
+    module_bytes,
+    weight_bytes_per_token,
+)
 from specdecode.bench.datasets import BenchPrompt, PerTask, load_prompts
 from specdecode.bench.methods import MethodSpec, parse_method
 from specdecode.bench.peers import PeerContext, make_peers, parse_peers
@@ -428,8 +434,14 @@ class BenchRun:
             state.add_note(f"{machine['date']}: measured again: {', '.join(cfg.redo)} "
                            f"({state.forget(cfg.redo)} records dropped)")
         state.sessions.append({**machine, "command": self.command, "records_before": len(state.records)})
-        if cfg.bandwidth_gb > 0 and state.bandwidth is None:
-            state.bandwidth = measure_bandwidth(cfg.bandwidth_gb)
+        if cfg.bandwidth_gb > 0:
+            # Every session probes; the floor uses the median probe (a run stored before sessions kept
+            # their probes has its one probe in state.bandwidth).
+            if state.bandwidth is not None and not any("bandwidth" in s for s in state.sessions):
+                state.sessions[0]["bandwidth"] = {k: v for k, v in state.bandwidth.items()
+                                                  if k != "probes_read_gb_per_s"}
+            state.sessions[-1]["bandwidth"] = measure_bandwidth(cfg.bandwidth_gb)
+            state.bandwidth = median_probe([s["bandwidth"] for s in state.sessions if "bandwidth" in s])
         state.save()
         # plain first: it is the baseline, and its target gives the prompt ids and weight bytes
         specs = sorted(self.specs, key=lambda s: s.name != "plain")

@@ -180,7 +180,8 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
     if floor is not None:
         parts.append(
             f"Read bandwidth {_f(bw['read_gb_per_s'], '{:.1f}')} GB/s (copy {_f(bw['copy_gb_per_s'], '{:.1f}')} "
-            f"GB/s, best of {bw['repeats']} over {_bytes(bw['bytes'])}, {bw['threads']} threads); weights "
+            f"GB/s, best of {bw['repeats']} over {_bytes(bw['bytes'])}, {bw['threads']} threads"
+            f"{_probes(bw)}); weights "
             f"read per token {_bytes(floor['weight_bytes_per_token'])} (embedding table, "
             f"{_bytes(floor['embedding_bytes_excluded'])}, excluded: a token reads one row) → floor "
             f"{_f(floor['floor_tokens_per_second'], '{:.1f}')} tok/s; plain reaches "
@@ -303,3 +304,11 @@ def write_plots(out: Path, summary: dict[str, Any]) -> list[str]:
     plt.close(fig)
     made.append("tokens_per_second.png")
     return made
+
+
+def _probes(bw: dict[str, Any]) -> str:
+    """", the median of N session probes (a, b, c GB/s)" for a run resumed over sessions, else ""."""
+    probes = bw.get("probes_read_gb_per_s") or []
+    if len(probes) < 2:
+        return ""
+    return f"; the median of {len(probes)} session probes: {', '.join(f'{v:.1f}' for v in probes)} GB/s"
