@@ -147,7 +147,7 @@ def test_random_head_greedy_equals_plain_smollm(tmp_path: Path, kind: str) -> No
 def test_heads_in_continuous_batching_keep_greedy_output(plain_tiny, tiny_llama_dir: Path, random_heads,
                                                          kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The batch engine feeds every row's proposer the target's features (chain drafts there, without the
-    lookup branch a tree proposer grafts: here a guess is always found)."""
+    lookup branch the single-sequence decoder grafts onto trees: here a guess is always found)."""
     monkeypatch.setattr("specdecode.proposers.tree_growth.ngram_match", lambda tokens, lo, hi, k: [5, 6, 7][:k])
     base, ref = plain_tiny
     llm = LLM(str(tiny_llama_dir), dtype="fp32",

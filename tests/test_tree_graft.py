@@ -35,16 +35,7 @@ def test_with_lookup_branch() -> None:
     history = [1, 2, 3, 40, 41, 42, 1, 2, 3]  # the suffix 1 2 3 was followed by 40 41 42
     out = with_lookup_branch(tree, history, (2, 3), 2)
     assert (out.tokens, out.parents, out.probs) == ([10, 11, 12, 13, 40, 41], [0, 0, 1, 2, 0, 5], None)
-    assert out.grafted == 2
     assert with_lookup_branch(tree, history, None, 2) is tree  # lookup off
     assert with_lookup_branch(tree, [7, 8, 9], (2, 3), 2) is tree  # no guess
     chain = Draft([10, 12], torch.rand(2, 50))
     assert with_lookup_branch(chain, history, (2, 3), 2) is chain  # chains stay chains
-
-
-def test_leading_chain() -> None:
-    grafted = Draft([10, 12, 14, 40, 41], None, [0, 1, 2, 0, 4])  # a width-1 tree plus a grafted branch
-    assert grafted.leading_chain().tokens == [10, 12, 14] and not grafted.leading_chain().is_tree
-    assert Draft(list(TOKENS), None, list(PARENTS)).leading_chain().tokens == [10]
-    chain = Draft([1, 2], torch.rand(2, 5))
-    assert chain.leading_chain() is chain

@@ -232,8 +232,8 @@ class BatchEngine:
         self._recent_rows.append(len(self.running) + len(self.waiting))
         ks = self._choose_ks()
         t0 = time.perf_counter()
-        drafts = [  # chains: a tree proposer's width-1 tree may carry a grafted lookup branch
-            r.proposer.propose(r.seq.view(), k).leading_chain() if (r.proposer is not None and k > 0) else Draft()
+        drafts = [
+            r.proposer.propose(r.seq.view(), k) if (r.proposer is not None and k > 0) else Draft()
             for r, k in zip(self.running, ks, strict=True)
         ]
         t1 = time.perf_counter()

@@ -15,7 +15,7 @@ from specdecode.engine.step_verify import share_hidden, start_sequence, verify_d
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
-from specdecode.proposers.tree_growth import level_width
+from specdecode.proposers.tree_growth import level_width, with_lookup_branch
 from specdecode.proposers.tree_value import TreeValue
 from specdecode.tree import MAX_TREE_NODES, build_tree
 
@@ -43,6 +43,7 @@ class SpeculativeDecoder:
         proposer: Proposer | None = None,
         k_max: int = 0,
         fixed_k: int | None = None,
+        tree_lookup: tuple[int, int] | None = None,
     ) -> None:
         self.target = target
         self.cache = target.new_cache(1, max_len + MAX_TREE_NODES)  # headroom: a tree step's scratch slots
@@ -50,6 +51,9 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.k_max = k_max if proposer is not None else 0
         self.fixed_k = fixed_k
+        self.tree_lookup = tree_lookup
+        """(min_n, max_n): every tree draft gets the prompt-lookup guess as one more branch, verified in the
+        same target forward (copied text is accepted through the guess, the rest through the drafter)."""
         self.cost: CostModel | None = None
 
     # ---- one target forward over [pending token] + draft ------------------------------------
@@ -82,9 +86,11 @@ class SpeculativeDecoder:
         depth = len(draft)
         own = 0
         if draft.is_tree:
+            drafted = len(draft)  # the drafter's own nodes; a grafted branch comes after them
+            draft = with_lookup_branch(draft, seq.token_ids, self.tree_lookup, k)
             out, nodes, depth = self._verify_tree_step(seq, draft, n)
             accepted = len(nodes)
-            own = sum(1 for i in nodes if i <= len(draft) - draft.grafted)
+            own = sum(1 for i in nodes if i <= drafted)
         else:
             hidden, logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [k+1, D], [k+1, V]
             out, accepted = verify_draft(seq, logits, draft)

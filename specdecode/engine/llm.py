@@ -125,17 +125,18 @@ class LLM:
                                                                lookup)
         elif isinstance(self.head, EagleHead):
             head, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
-            self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching, lookup)
+            self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching)
         elif isinstance(self.head, MedusaHeads):
             medusa, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
-            self.proposer_factory = lambda: MedusaProposer(medusa, width, branching, lookup)
+            self.proposer_factory = lambda: MedusaProposer(medusa, width, branching)
         elif spec is not None:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
             self.proposer_factory = lambda: NgramProposer(lo, hi)
         proposer = self.proposer_factory() if self.proposer_factory is not None else None
         k_max = spec.k_max if spec is not None else 0
         fixed = None if (spec is None or spec.adaptive) else int(spec.num_speculative_tokens)
-        self.decoder = SpeculativeDecoder(self.target.model, self.max_model_len, proposer, k_max, fixed)
+        self.decoder = SpeculativeDecoder(self.target.model, self.max_model_len, proposer, k_max, fixed,
+                                          tree_lookup=lookup)
         if proposer is not None and fixed is None:
             self.decoder.measure_cost()
 

@@ -33,23 +33,10 @@ class Draft:
     parents: list[int] | None = None
     """For a tree: parent of each draft token as a tree index (0 = the pending token, j+1 = tokens[j]);
     None for a chain. Tree children are deterministic candidates (point masses)."""
-    grafted: int = 0
-    """Trailing tree nodes that came from a prompt-lookup guess, not from the drafter (whose confidence
-    calibration must not take credit for them)."""
 
     @property
     def is_tree(self) -> bool:
         return self.parents is not None
-
-    def leading_chain(self) -> Draft:
-        """What a chain-only verifier can check: a tree's leading path (each node the child of the one
-        before it, as a width-1 tree or a tree's first nodes are), without any later branch; a chain as is."""
-        if self.parents is None:
-            return self
-        n = 0
-        while n < len(self.parents) and self.parents[n] == n:
-            n += 1
-        return Draft(self.tokens[:n])
 
     def __len__(self) -> int:
         return len(self.tokens)

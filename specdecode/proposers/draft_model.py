@@ -22,7 +22,6 @@ from specdecode.proposers.tree_growth import (
     TreeLevel,
     grow_tree,
     level_width,
-    with_lookup_branch,
 )
 from specdecode.proposers.tree_value import TreeValue, node_selector
 from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
@@ -43,8 +42,8 @@ class DraftModelProposer:
         self.model = model
         self.prompt_lookup = prompt_lookup
         """(min_n, max_n) to draft a chain with prompt-lookup guesses checked in one draft forward (see
-        `_propose_chain`), or None for one draft forward per token; a tree gets the guess as one more
-        branch (`with_lookup_branch`)."""
+        `_propose_chain`), or None for one draft forward per token. (Trees get the guess as one more branch
+        from the decoder.)"""
         self.target_seconds: Callable[[int], float] | None = None
         """Set by the engine once it measured its forwards: seconds of a target forward over t tokens. With
         it (and `prompt_lookup`), a step whose guess promises more tokens per second than drafting
@@ -53,8 +52,8 @@ class DraftModelProposer:
         self.draft_rate = AcceptanceRate()
         """Per-request acceptance of lookup guesses (judged by the target, or by the draft while it drafts)
         and of the draft model's tokens."""
-        self._guessed = 0
-        """Tokens of the last proposal that were a bare guess (0: the draft model drafted)."""
+        self._guessed = False
+        """The last proposal was a bare guess (not drafted by the draft model)."""
         self._proposed = 0
         """Tokens of the last chain proposal."""
         self.forwards = 0
@@ -112,17 +111,17 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden[0, -1:] if last_only else hidden[0])
 
     def propose(self, seq: SequenceView, k: int) -> Draft:
-        self._guessed = self._proposed = 0
+        self._guessed, self._proposed = False, 0
         if k <= 0:
             return Draft()
         if self.tree_width != 1:
-            return with_lookup_branch(self._propose_tree(seq, k), seq.token_ids, self.prompt_lookup, k)
+            return self._propose_tree(seq, k)
         if self.prompt_lookup and self.target_seconds is not None and seq.output_counts is None:
             guess = ngram_match(seq.token_ids, *self.prompt_lookup, k)
             if guess_beats_draft(len(guess), k, self.guess_rate.value, self.draft_rate.value, self.target_seconds,
                                  self.step_cost_hint()):
                 # A point mass, as from the n-gram proposer; the draft catches up on it when next used.
-                self._guessed = self._proposed = len(guess)
+                self._guessed, self._proposed = True, len(guess)
                 return Draft(guess)
         draft = self._propose_chain(seq, k)
         self._proposed = len(draft)

@@ -18,7 +18,6 @@ from specdecode.proposers.tree_growth import (
     TreeLevel,
     grow_tree,
     level_width,
-    with_lookup_branch,
 )
 from specdecode.proposers.tree_value import TreeValue, node_selector
 from specdecode.tree import MAX_TREE_NODES
@@ -32,11 +31,8 @@ class EagleProposer:
     name = "eagle"
     wants_target_hidden = True
 
-    def __init__(self, head: EagleHead, max_len: int, tree_width: int = 0, tree_branching: int = 2,
-                 prompt_lookup: tuple[int, int] | None = None) -> None:
+    def __init__(self, head: EagleHead, max_len: int, tree_width: int = 0, tree_branching: int = 2) -> None:
         self.head = head
-        self.prompt_lookup = prompt_lookup
-        """(min_n, max_n): trees get the prompt-lookup guess as one more branch (`with_lookup_branch`)."""
         self.tree_width = tree_width
         """Nodes kept per level; 0 = node_budget / depth."""
         self.tree_branching = tree_branching
@@ -102,7 +98,7 @@ class EagleProposer:
         draft = grow_tree(head.draft_logits(root), k, width, self.tree_branching, base, expand, token_map=head.d2t,
                           select=node_selector(self.tree_value, self.tree_width, lambda: k * self.step_cost_hint()))
         self.cache.set_length(0, base)  # tree entries are scratch
-        return with_lookup_branch(draft, seq.token_ids, self.prompt_lookup, k)
+        return draft
 
     def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
         # Cached pairs used true features only; the accepted path is re-fed with its true features.
@@ -132,10 +128,8 @@ class MedusaProposer:
     name = "medusa"
     wants_target_hidden = True
 
-    def __init__(self, head: MedusaHeads, tree_width: int = 0, tree_branching: int = 2,
-                 prompt_lookup: tuple[int, int] | None = None) -> None:
+    def __init__(self, head: MedusaHeads, tree_width: int = 0, tree_branching: int = 2) -> None:
         self.head = head
-        self.prompt_lookup = prompt_lookup
         self.tree_width = tree_width
         self.tree_branching = tree_branching
         self.node_budget = DEFAULT_NODE_BUDGET
@@ -160,9 +154,8 @@ class MedusaProposer:
             return logits[level.level + 1].expand(len(level.nodes), -1)
 
         width = level_width(self.tree_width, self.node_budget, depth)
-        draft = grow_tree(logits[0], depth, width, self.tree_branching, 1, expand, token_map=self.head.d2t,
-                          select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint()))
-        return with_lookup_branch(draft, seq.token_ids, self.prompt_lookup, k)
+        return grow_tree(logits[0], depth, width, self.tree_branching, 1, expand, token_map=self.head.d2t,
+                         select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint()))
 
     def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
         pass

@@ -154,4 +154,4 @@ def with_lookup_branch(draft: Draft, token_ids: list[int], lookup: tuple[int, in
         return draft
     assert draft.parents is not None
     tokens, parents = graft_chain(draft.tokens, draft.parents, guess)
-    return Draft(tokens, None, parents, grafted=draft.grafted + len(tokens) - len(draft.tokens))
+    return Draft(tokens, None, parents)  # the drafter's nodes keep their indices; the branch comes after
