@@ -219,7 +219,7 @@ def test_libstdcxx_shim_compiles_and_exports_its_symbols(monkeypatch: pytest.Mon
 
     monkeypatch.setenv("SPECDECODE_HOME", str(tmp_path))
     path = llamacpp_cffi.build_shim()
-    assert path.is_file() and path.parent == tmp_path / "llama-cpp-cffi"
+    assert path.is_file() and path.parent == tmp_path / "native"
     assert llamacpp_cffi.build_shim() == path  # cached
     so = ctypes.CDLL(str(path))
     for sym in ("__cxa_call_terminate", "_ZSt21ios_base_library_initv"):

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,36 +58,15 @@ def _env(key: str, value: str) -> Iterator[None]:
             os.environ[key] = old
 
 
-def _shim_path() -> Path:
-    from specdecode.fetch import models_home
-
-    tag = hashlib.sha256(_SHIM_SOURCE.encode()).hexdigest()[:12]
-    return models_home() / "llama-cpp-cffi" / f"libstdcxx-shim-{tag}.so"
-
-
 def build_shim() -> Path:
     """Compile the libstdc++ shim once (cached by its source's hash); the path of the .so."""
-    out = _shim_path()
-    if out.is_file():
-        return out
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise ImportError(f"{DIST}'s CPU library needs libstdc++ symbols this system lacks "
-                          f"({', '.join(_SHIM_SYMBOLS)}) and no C++ compiler was found to build a shim")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    src = out.with_suffix(f".{os.getpid()}.cc")
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    from specdecode.native_build import BuildError, build_shared
+
     try:
-        src.write_text(_SHIM_SOURCE)
-        proc = subprocess.run([cxx, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(src)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ImportError(f"building the libstdc++ shim for {DIST} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, out)
-    finally:
-        src.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
-    return out
+        return build_shared(_SHIM_SOURCE, "libstdcxx-shim", ["-O2"], cxx=True)
+    except BuildError as exc:
+        raise ImportError(f"{DIST}'s CPU library needs libstdc++ symbols this system lacks "
+                          f"({', '.join(_SHIM_SYMBOLS)}): {exc}") from exc
 
 
 def load_binding() -> tuple[Any, Any]:

@@ -3,10 +3,12 @@
 - `packed-bf16`: the same bf16 weights, pre-packed once into oneDNN's blocked layout. The
   plain bf16 matmul re-packs on every call and runs at ~1/3 of memory bandwidth on these
   CPUs; the packed one reaches it. Exact w.r.t. the bf16 model up to accumulation order.
-- `int8`: weight-only int8 with per-channel scales (`torch._weight_int8pack_mm`).
+- `int8`: weight-only int8 with per-channel scales (our AVX512 kernel, `woq_native`, where it builds;
+  else `torch._weight_int8pack_mm`).
 - `int8-dynamic`: int8 weights x int8 activations quantized per token at run time (FBGEMM's int8
   GEMM, VNNI): the fastest verification forward (DESIGN.md section 6).
-- `int4`: weight-only int4 with group-wise scales/zeros (`torch._weight_int4pack_mm_for_cpu`).
+- `int4`: weight-only int4 with group-wise scales/minima (our AVX512 kernel, groups of 128; else
+  `torch._weight_int4pack_mm_for_cpu`, groups of 32).
 - `int4-hybrid`: int4 for forwards of a few tokens, packed bf16 for prefill (drafts).
 The quantized formats change the model: for drafts (which never change the output) or
 explicit opt-in.
@@ -20,6 +22,8 @@ from typing import Literal
 
 import torch
 from torch import nn
+
+from specdecode.model import woq_native
 
 LinearFormat = Literal["none", "packed-bf16", "int8", "int8-dynamic", "int4", "int4-hybrid"]
 FORMATS: tuple[str, ...] = ("none", "packed-bf16", "int8", "int8-dynamic", "int4", "int4-hybrid")
@@ -39,21 +43,37 @@ class PackedBF16Linear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def _native(native: bool | None) -> bool:
+    """Use the AVX512 weight-only kernels: where they build and the CPU has AVX512-BF16 (None: if so)."""
+    if native and not woq_native.available():
+        raise ValueError("the native weight-only kernels are not available on this machine")
+    return woq_native.available() if native is None else native
+
+
 class Int8WeightLinear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    """int8 weights, one bf16 scale per output channel; activations stay floating point (rounded to bf16).
+
+    Both kernels take the same weights; ours (`native`) computes every row the same way whatever the
+    number of rows, so verifying k tokens gives the rows of k single-token forwards bit for bit."""
+
+    def __init__(self, linear: nn.Linear, native: bool | None = None) -> None:
         super().__init__()
         w = linear.weight.detach().float()  # [N, K]
-        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [N]
-        self.weight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        self.scales = scales.to(torch.bfloat16)
+        scales = (w.abs().amax(dim=1).clamp(min=1e-8) / 127.0).to(torch.bfloat16)  # [N]
+        self.weight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scales = scales
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.native = _native(native)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.scales)
+        if self.native:
+            y = woq_native.int8_gemm(x, self.weight, self.scales)  # [M, N], fp32 or bf16 like x
+        else:
+            y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
@@ -133,11 +153,40 @@ class Int8DynamicLinear(nn.Module):
 
 
 class Int4WeightLinear(nn.Module):
-    """Asymmetric 4-bit groups of `group_size` input channels (gpt-fast's scheme)."""
+    """Asymmetric 4-bit groups of input channels: w = q * scale + minimum, q in 0..15.
 
-    def __init__(self, linear: nn.Linear, group_size: int = 32, inner_k_tiles: int = 8) -> None:
+    Our kernel (`native`, where in_features is a multiple of 128): groups of 128 input channels, bf16
+    scale and minimum per group (0.53 bytes a weight). torch's kernel otherwise: gpt-fast's scheme, groups
+    of 32."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = 32, inner_k_tiles: int = 8,
+                 native: bool | None = None) -> None:
         super().__init__()
-        w = linear.weight.detach().float()  # [N, K]
+        k = linear.in_features
+        if native is None:
+            native = k % woq_native.INT4_GROUP == 0 and woq_native.available()
+        elif native and k % woq_native.INT4_GROUP:
+            raise ValueError(f"in_features {k} is not a multiple of the int4 group size {woq_native.INT4_GROUP}")
+        self.native = _native(native)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        if self.native:
+            self._init_native(linear.weight.detach().float())
+        else:
+            self._init_torch(linear.weight.detach().float(), group_size, inner_k_tiles)
+
+    def _init_native(self, w: torch.Tensor) -> None:
+        n, k = w.shape
+        group = woq_native.INT4_GROUP
+        groups = w.reshape(n, k // group, group)
+        # Scale and minimum rounded to bf16 first, so q is chosen against the numbers the kernel uses.
+        low = groups.amin(-1).to(torch.bfloat16)  # [N, G]
+        scale = ((groups.amax(-1) - low.float()) / 15.0).clamp(min=1e-6).to(torch.bfloat16)  # [N, G]
+        q = torch.round((groups - low.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
+        self.group_size = group
+        self.packed = woq_native.pack_int4(q.to(torch.uint8).reshape(n, k))  # [N, K/2]
+        self.scale, self.low = scale, low
+
+    def _init_torch(self, w: torch.Tensor, group_size: int, inner_k_tiles: int) -> None:
         n, k = w.shape
         if k % group_size:
             raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
@@ -151,10 +200,15 @@ class Int4WeightLinear(nn.Module):
         # [G, N, 2] bf16 (scale, zero) pairs
         self.scales_zeros = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self._q = q.to(torch.uint8)  # kept only for dequantized() (tests); 1 byte a weight
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the kernel multiplies by: (q - 8) * scale + zero, from the bf16 pairs, in fp32."""
+        """The weight the kernel multiplies by, in fp32: q * scale + minimum (native), or (q - 8) * scale +
+        zero from torch's bf16 pairs."""
+        if self.native:
+            q = woq_native.unpack_int4(self.packed)
+            n, k = q.shape
+            q = q.reshape(n, k // self.group_size, self.group_size).float()
+            return (q * self.scale.float()[..., None] + self.low.float()[..., None]).reshape(n, k)
         n, k = self._q.shape
         scale, zero = self.scales_zeros.float().transpose(0, 1).unsqueeze(2).unbind(-1)  # [N, G, 1] each
         q = self._q.reshape(n, k // self.group_size, self.group_size).float()
@@ -162,8 +216,11 @@ class Int4WeightLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)
+        if self.native:
+            y = woq_native.int4_gemm(x, self.packed, self.scale, self.low)  # [M, N]
+        else:
+            x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
@@ -176,9 +233,10 @@ class Int4HybridLinear(nn.Module):
     prompt would take seconds), so prefill takes the bf16 copy: more memory, no slow prefill.
     """
 
-    def __init__(self, linear: nn.Linear, max_int4_rows: int = 8) -> None:
+    def __init__(self, linear: nn.Linear, max_int4_rows: int = 8, native: bool = False) -> None:
         super().__init__()
-        self.int4 = Int4WeightLinear(linear)
+        # torch's int4 kernel by default for now: drafts and heads of the benchmark run in progress use it.
+        self.int4 = Int4WeightLinear(linear, native=native)
         self.bf16 = PackedBF16Linear(linear)
         self.max_int4_rows = max_int4_rows
 

@@ -1,0 +1,110 @@
+"""The weight-only int8 / int4 GEMM of kernels/woq_gemm.c: built on first use, called through ctypes.
+
+Why a hand-written kernel: torch's weight-only kernels read int8 weights at 18.6-20.8 GB/s and int4
+at 19.3-21.6 GB/s on this 2-core CPU for one token (`benchmarks/linear_kernels.py`), well below what
+plain decoding within 1.3x of its memory floor needs (~27 GB/s). The kernels decode 64 bytes of weights
+at a time with in-lane shifts only (int8 to fp32 for FMAs, int4 to bf16 for AVX512-BF16 dot products)
+and reuse each decoded block for every row of the input. They need a C compiler with OpenMP and an
+AVX512-BF16 CPU; elsewhere (or with SPECDECODE_NATIVE_KERNELS=0) `available()` is False and the linears
+keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels") / "woq_gemm.c"
+FLAGS = ["-O3", "-fopenmp"]
+"""No -march=native: the AVX512 functions carry their own target attribute, and the library checks the CPU."""
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("SPECDECODE_NATIVE_KERNELS", "1") == "0":
+        return None
+    from specdecode.native_build import BuildError, build_shared
+
+    try:
+        path = build_shared(SOURCE.read_text(), "woq-gemm", FLAGS)
+    except BuildError as exc:
+        warnings.warn(f"weight-only int8/int4 kernels not built, using torch's: {exc}", stacklevel=3)
+        return None
+    lib = ctypes.CDLL(str(path))  # libgomp.so.1 resolves to the copy torch already loaded: one thread pool
+    if not lib.woq_cpu_supported():
+        return None
+    lib.woq_int8_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
+    lib.woq_int8_gemm.restype = None
+    lib.woq_int4_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _P, _L, _P, _I, _I]
+    lib.woq_int4_gemm.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a contiguous [M, K] fp32 or bf16 matrix (other dtypes go through fp32)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()
+    return x2.contiguous()
+
+
+def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (fp32/bf16) times (q [N, K] int8 * scale [N] bf16).T -> [M, N] in x's dtype."""
+    lib = _library()
+    assert lib is not None and q.dtype == torch.int8 and scale.dtype == torch.bfloat16
+    x2 = _rows(x)
+    m, k = x2.shape
+    n = q.shape[0]
+    y = torch.empty(m, n, dtype=x2.dtype)
+    f32 = int(x2.dtype == torch.float32)
+    lib.woq_int8_gemm(x2.data_ptr(), f32, m, k, q.data_ptr(), scale.data_ptr(), n, y.data_ptr(), f32,
+                      torch.get_num_threads())
+    return y
+
+
+INT4_GROUP = 128
+"""Input channels per int4 group: one 64-byte chunk of packed weights, one scale and minimum."""
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in 0..15 -> [N, K / 2] bytes: in each group of 128, 16-bit word i (little-endian) holds
+    q[i], q[i + 32], q[i + 64], q[i + 96] from its lowest nibble up."""
+    n, k = q.shape
+    quarters = q.to(torch.int32).reshape(n, k // 128, 4, 32)  # [N, G, nibble, word]
+    words = quarters[:, :, 0] | quarters[:, :, 1] << 4 | quarters[:, :, 2] << 8 | quarters[:, :, 3] << 12
+    lo, hi = (words & 0xFF).to(torch.uint8), (words >> 8).to(torch.uint8)  # [N, G, 32] each
+    return torch.stack([lo, hi], dim=-1).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: [N, K / 2] bytes -> q [N, K] (uint8)."""
+    n, half = packed.shape
+    b = packed.to(torch.int32).reshape(n, half // 64, 32, 2)  # [N, G, word, byte]
+    words = b[..., 0] | b[..., 1] << 8  # [N, G, 32]
+    quarters = torch.stack([(words >> 4 * j) & 0xF for j in range(4)], dim=2)  # [N, G, nibble, word]
+    return quarters.reshape(n, half * 2).to(torch.uint8)
+
+
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times (q * scale + low).T with q packed by `pack_int4`, scale / low bf16 [N, K / 128]."""
+    lib = _library()
+    assert lib is not None and packed.dtype == torch.uint8
+    x2 = _rows(x)
+    m, k = x2.shape
+    n = packed.shape[0]
+    y = torch.empty(m, n, dtype=x2.dtype)
+    f32 = int(x2.dtype == torch.float32)
+    lib.woq_int4_gemm(x2.data_ptr(), f32, m, k, packed.data_ptr(), scale.data_ptr(), low.data_ptr(), n,
+                      y.data_ptr(), f32, torch.get_num_threads())
+    return y
