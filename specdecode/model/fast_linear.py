@@ -155,8 +155,8 @@ class Int8DynamicLinear(nn.Module):
 class Int4WeightLinear(nn.Module):
     """Asymmetric 4-bit groups of input channels: w = q * scale + minimum, q in 0..15.
 
-    Our kernel (`native`, where in_features is a multiple of 128): groups of 128 input channels, bf16
-    scale and minimum per group (0.53 bytes a weight). torch's kernel otherwise: gpt-fast's scheme, groups
+    Our kernel (`native`, where in_features is a multiple of 128): groups of 128 input channels, a scale
+    and an offset per group (0.56 bytes a weight). torch's kernel otherwise: gpt-fast's scheme, groups
     of 32."""
 
     def __init__(self, linear: nn.Linear, group_size: int = 32, inner_k_tiles: int = 8,
@@ -184,7 +184,10 @@ class Int4WeightLinear(nn.Module):
         q = torch.round((groups - low.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
         self.group_size = group
         self.packed = woq_native.pack_int4(q.to(torch.uint8).reshape(n, k))  # [N, K/2]
-        self.scale, self.low = scale, low
+        # fp32 (bf16 numbers): the kernel broadcasts them straight from memory. The offset's 128 * scale
+        # undoes the kernel's decoding of q as the bf16 number 128 + q; exact in fp32.
+        self.scale = scale.float()  # [N, G]
+        self.offset = low.float() - 128 * self.scale  # [N, G]
 
     def _init_torch(self, w: torch.Tensor, group_size: int, inner_k_tiles: int) -> None:
         n, k = w.shape
@@ -208,7 +211,7 @@ class Int4WeightLinear(nn.Module):
             q = woq_native.unpack_int4(self.packed)
             n, k = q.shape
             q = q.reshape(n, k // self.group_size, self.group_size).float()
-            return (q * self.scale.float()[..., None] + self.low.float()[..., None]).reshape(n, k)
+            return ((q + 128) * self.scale[..., None] + self.offset[..., None]).reshape(n, k)
         n, k = self._q.shape
         scale, zero = self.scales_zeros.float().transpose(0, 1).unsqueeze(2).unbind(-1)  # [N, G, 1] each
         q = self._q.reshape(n, k // self.group_size, self.group_size).float()
@@ -217,7 +220,7 @@ class Int4WeightLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.native:
-            y = woq_native.int4_gemm(x, self.packed, self.scale, self.low)  # [M, N]
+            y = woq_native.int4_gemm(x, self.packed, self.scale, self.offset)  # [M, N]
         else:
             x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)

@@ -96,15 +96,16 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return quarters.reshape(n, half * 2).to(torch.uint8)
 
 
-def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """x [M, K] times (q * scale + low).T with q packed by `pack_int4`, scale / low bf16 [N, K / 128]."""
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times ((128 + q) * scale + offset).T with q packed by `pack_int4`; scale, offset fp32
+    [N, K / 128]."""
     lib = _library()
-    assert lib is not None and packed.dtype == torch.uint8
+    assert lib is not None and packed.dtype == torch.uint8 and scale.dtype == offset.dtype == torch.float32
     x2 = _rows(x)
     m, k = x2.shape
     n = packed.shape[0]
     y = torch.empty(m, n, dtype=x2.dtype)
     f32 = int(x2.dtype == torch.float32)
-    lib.woq_int4_gemm(x2.data_ptr(), f32, m, k, packed.data_ptr(), scale.data_ptr(), low.data_ptr(), n,
+    lib.woq_int4_gemm(x2.data_ptr(), f32, m, k, packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), n,
                       y.data_ptr(), f32, torch.get_num_threads())
     return y

@@ -7,9 +7,9 @@
 // gives, bit for bit, the rows of single-token forwards). Threads split the output channels.
 //
 // int8: w[n, k] = q[n, k] * scale[n]; q int8 row-major [N, K] (torch's layout); scale bf16 [N].
-// int4: w[n, k] = q * scale[n, g] + low[n, g] for the group g = k / 128; q in 0..15, packed [N, K / 2]
-//       bytes (layout below); scale, low: bf16 [N, K / 128]. sum x * w over a group is computed as
-//       scale * (sum x * (128 + q)) + (low - 128 * scale) * sum x.
+// int4: w[n, k] = (128 + q) * scale[n, g] + offset[n, g] for the group g = k / 128; q in 0..15, packed
+//       [N, K / 2] bytes (layout below); scale, offset: fp32 [N, K / 128] (offset = minimum - 128 * scale).
+//       sum x * w over a group is computed as scale * (sum x * (128 + q)) + offset * sum x.
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -70,6 +70,15 @@ static inline void store(void* y, int y_is_f32, int64_t idx, float v) {
 #endif
 #define ALWAYS_INLINE TARGET static inline __attribute__((always_inline))
 
+// The row the block starting at n0 prefetches: ~6 KB of weights ahead (measured best for rows of 768 B to
+// 9 KB), rounded to whole blocks; the last blocks prefetch themselves.
+static inline int64_t prefetch_row(int64_t n0, int64_t rows_per_block, int64_t N, int64_t row_bytes) {
+    int64_t blocks = 6144 / (rows_per_block * row_bytes);
+    if (blocks < 1) blocks = 1;
+    const int64_t row = n0 + blocks * rows_per_block;
+    return row + rows_per_block <= N ? row : n0;
+}
+
 // One pass over NR8 output channels for MB rows of x (permuted fp32 [M, Kp]); MB is a constant after inlining.
 // `next` is the first row of the following block: it is prefetched while this block is computed.
 ALWAYS_INLINE void int8_pass(const int MB, const float* xp, int64_t Kp, int64_t K, const int8_t* const* rows,
@@ -121,7 +130,7 @@ TARGET static void int8_block(const float* xp, int64_t M, int64_t Kp, int64_t K,
                               const uint16_t* scale, int64_t n0, int64_t N, void* y, int y_is_f32) {
     const int8_t* rows[NR8];
     for (int r = 0; r < NR8; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last row
-    const int8_t* next = w + (n0 + 2 * NR8 <= N ? n0 + NR8 : n0) * K;  // the last block prefetches itself
+    const int8_t* next = w + prefetch_row(n0, NR8, N, K) * K;
     float out[MB8 * NR8];
     for (int64_t m0 = 0; m0 < M; m0 += MB8) {
         const int mb = M - m0 < MB8 ? (int)(M - m0) : MB8;
@@ -166,7 +175,7 @@ TARGET void woq_int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 
 // One pass over NR4 output channels for MB rows of x (bf16 [M, K]): sums of scale * x * (128 + q).
 ALWAYS_INLINE void int4_pass(const int MB, const uint16_t* xb, int64_t K, const uint8_t* const* rows,
-                             const uint16_t* const* scales, const uint8_t* next, float* out) {
+                             const float* const* scales, const int8_t* next, float* out) {
     const __m512i nib = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
     __m512 acc[NR4][MB4];
 #pragma GCC unroll 4
@@ -183,15 +192,16 @@ ALWAYS_INLINE void int4_pass(const int MB, const uint16_t* xb, int64_t K, const 
             wv[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, magic, 0xEA);
             wv[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nib, magic, 0xEA);
             wv[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), magic);
-            const __m512 s = _mm512_set1_ps(bf16_to_f32(scales[r][k / 128]));
+            const __m512 s = _mm512_set1_ps(scales[r][k / 128]);  // a broadcast memory operand
 #pragma GCC unroll 4
             for (int i = 0; i < MB; i++) {
                 const uint16_t* xi = xb + i * K + k;
-                __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), wv[0], (__m512bh)_mm512_loadu_si512(xi));
-                part = _mm512_dpbf16_ps(part, wv[1], (__m512bh)_mm512_loadu_si512(xi + 32));
-                part = _mm512_dpbf16_ps(part, wv[2], (__m512bh)_mm512_loadu_si512(xi + 64));
-                part = _mm512_dpbf16_ps(part, wv[3], (__m512bh)_mm512_loadu_si512(xi + 96));
-                acc[r][i] = _mm512_fmadd_ps(part, s, acc[r][i]);
+                // Two short dependency chains rather than one of four.
+                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), wv[0], (__m512bh)_mm512_loadu_si512(xi));
+                __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), wv[1], (__m512bh)_mm512_loadu_si512(xi + 32));
+                a = _mm512_dpbf16_ps(a, wv[2], (__m512bh)_mm512_loadu_si512(xi + 64));
+                b = _mm512_dpbf16_ps(b, wv[3], (__m512bh)_mm512_loadu_si512(xi + 96));
+                acc[r][i] = _mm512_fmadd_ps(_mm512_add_ps(a, b), s, acc[r][i]);
             }
         }
     }
@@ -201,31 +211,28 @@ ALWAYS_INLINE void int4_pass(const int MB, const uint16_t* xb, int64_t K, const 
         for (int i = 0; i < MB; i++) out[i * NR4 + r] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-// sum over the groups of (low - 128 * scale) * (sum of x over the group), 16 groups at a time.
-ALWAYS_INLINE float int4_offset(const uint16_t* scale, const uint16_t* low, const float* xs, int64_t G) {
+// sum over the groups of offset * (sum of x over the group), 16 groups at a time.
+ALWAYS_INLINE float int4_offset(const float* offset, const float* xs, int64_t G) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g += 16) {
         const __mmask16 mask = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1u);
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, scale + g)), 16));
-        const __m512 l = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, low + g)), 16));
-        const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, l);  // exact: both are bf16 numbers
-        acc = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(mask, xs + g), acc);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, offset + g), _mm512_maskz_loadu_ps(mask, xs + g), acc);
     }
     return _mm512_reduce_add_ps(acc);
 }
 
 TARGET static void int4_block(const uint16_t* xb, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-                              const uint16_t* scale, const uint16_t* low, int64_t n0, int64_t N, void* y,
+                              const float* scale, const float* offset, int64_t n0, int64_t N, void* y,
                               int y_is_f32) {
     const int64_t G = K / 128;
     const uint8_t* rows[NR4];
-    const uint16_t* scales[NR4];
+    const float* scales[NR4];
     for (int r = 0; r < NR4; r++) {
         const int64_t n = n0 + r < N ? n0 + r : N - 1;  // a tail repeats the last row
         rows[r] = w + n * (K / 2);
         scales[r] = scale + n * G;
     }
-    const uint8_t* next = w + (n0 + 2 * NR4 <= N ? n0 + NR4 : n0) * (K / 2);  // the last block prefetches itself
+    const int8_t* next = (const int8_t*)w + prefetch_row(n0, NR4, N, K / 2) * (K / 2);
     float out[MB4 * NR4];
     for (int64_t m0 = 0; m0 < M; m0 += MB4) {
         const int mb = M - m0 < MB4 ? (int)(M - m0) : MB4;
@@ -237,13 +244,13 @@ TARGET static void int4_block(const uint16_t* xb, const float* xsum, int64_t M, 
         for (int r = 0; r < NR4 && n0 + r < N; r++) {
             for (int i = 0; i < mb; i++)
                 store(y, y_is_f32, (m0 + i) * N + n0 + r,
-                      out[i * NR4 + r] + int4_offset(scale + (n0 + r) * G, low + (n0 + r) * G, xsum + (m0 + i) * G, G));
+                      out[i * NR4 + r] + int4_offset(offset + (n0 + r) * G, xsum + (m0 + i) * G, G));
         }
     }
 }
 
-TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const uint8_t* w, const uint16_t* scale,
-                          const uint16_t* low, int64_t N, void* y, int y_is_f32, int threads) {
+TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+                          const float* offset, int64_t N, void* y, int y_is_f32, int threads) {
     uint16_t* copy = bf16_rows(x, x_is_f32, M, K);
     const uint16_t* xb = copy ? copy : (const uint16_t*)x;
     const int64_t G = K / 128;
@@ -256,7 +263,7 @@ TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
         }
     const int64_t blocks = (N + NR4 - 1) / NR4;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) int4_block(xb, xsum, M, K, w, scale, low, b * NR4, N, y, y_is_f32);
+    for (int64_t b = 0; b < blocks; b++) int4_block(xb, xsum, M, K, w, scale, offset, b * NR4, N, y, y_is_f32);
     free(xsum);
     free(copy);
 }
