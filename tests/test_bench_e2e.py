@@ -252,4 +252,13 @@ def test_resumed_run_probes_bandwidth_every_session(tiny_llama_dir: Path, tmp_pa
     summary = json.loads((out / "summary.json").read_text())
     assert summary["bandwidth"]["read_gb_per_s"] == 35.0
     assert summary["bandwidth"]["probes_read_gb_per_s"] == [60.0, 30.0, 35.0]
-    assert "median of 3 session probes: 60.0, 30.0, 35.0 GB/s" in (out / "summary.md").read_text()
+    assert "median of 3 probes (one per session and between rounds): 60.0, 30.0, 35.0 GB/s" in \
+        (out / "summary.md").read_text()
+    # Rounds: one more probe between each two.
+    reads = iter([50.0, 20.0, 40.0])
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:3]))
+    rounds = [*args[:-1], str(tmp_path / "rounds"), "--round-size", "1"]
+    assert main(rounds) == 0
+    summary = json.loads((tmp_path / "rounds" / "summary.json").read_text())
+    assert summary["bandwidth"]["probes_read_gb_per_s"] == [50.0, 20.0, 40.0]
+    assert summary["bandwidth"]["read_gb_per_s"] == 40.0

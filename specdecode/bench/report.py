@@ -307,8 +307,9 @@ def write_plots(out: Path, summary: dict[str, Any]) -> list[str]:
 
 
 def _probes(bw: dict[str, Any]) -> str:
-    """", the median of N session probes (a, b, c GB/s)" for a run resumed over sessions, else ""."""
+    """", the median of N probes (a, b, c GB/s)" for a run probed more than once, else ""."""
     probes = bw.get("probes_read_gb_per_s") or []
     if len(probes) < 2:
         return ""
-    return f"; the median of {len(probes)} session probes: {', '.join(f'{v:.1f}' for v in probes)} GB/s"
+    return f"; the median of {len(probes)} probes (one per session and between rounds): " \
+        f"{', '.join(f'{v:.1f}' for v in probes)} GB/s"
