@@ -1,8 +1,9 @@
 """Effective weight bandwidth of each CPU linear format for one token (decode), beyond the caches.
 
 Runs 24 distinct 1536 x 8960 linears (an MLP up-projection of the 1.5B target; 330M weights, far more
-than the caches hold) for a one-token input, eager and, for the weight-only formats, through
-torch.compile with inductor's max-autotune C++ GEMM templates (the WOQ int8 / int4 micro-kernels).
+than the caches hold) for a one-token input, eager and, for torch's weight-only kernels, through
+torch.compile with inductor's max-autotune C++ GEMM templates (the WOQ int8 / int4 micro-kernels); the
+weight-only formats also with our AVX512 kernels (`specdecode.model.woq_native`).
 GB/s = weight bytes read / seconds: a format within 1.3x of the memory floor needs about 1/1.3 of the
 machine's read bandwidth here.
 
@@ -17,15 +18,21 @@ import time
 
 import torch
 
+from specdecode.model import woq_native
 from specdecode.model.fast_linear import Int4WeightLinear, Int8DynamicLinear, Int8WeightLinear, PackedBF16Linear
 
 K, N, LAYERS = 1536, 8960, 24
-FORMATS = [  # (name, module, weight bytes per weight incl. scales)
-    ("bf16 (packed)", PackedBF16Linear, 2.0),
-    ("int8-dynamic", Int8DynamicLinear, 1.0),
-    ("int8 weight-only", Int8WeightLinear, 1.0),
-    ("int4 weight-only (group 32)", Int4WeightLinear, 0.5 + 4 / 32),
+FORMATS = [  # (name, module, weight bytes per weight incl. scales, compile it too)
+    ("bf16 (packed)", PackedBF16Linear, 2.0, False),
+    ("int8-dynamic", Int8DynamicLinear, 1.0, False),
+    ("int8 weight-only, torch", lambda lin: Int8WeightLinear(lin, native=False), 1.0, True),
+    ("int4 weight-only (group 32), torch", lambda lin: Int4WeightLinear(lin, native=False), 0.5 + 4 / 32, True),
 ]
+if woq_native.available():
+    FORMATS += [
+        ("int8 weight-only, ours", lambda lin: Int8WeightLinear(lin, native=True), 1.0, False),
+        ("int4 weight-only (group 128), ours", lambda lin: Int4WeightLinear(lin, native=True), 0.5 + 8 / 128, False),
+    ]
 
 
 def seconds_per_pass(mods: list[torch.nn.Module], x: torch.Tensor, repeats: int = 10) -> float:
@@ -56,10 +63,10 @@ def main() -> None:
     linears = [torch.nn.Linear(K, N, bias=False) for _ in range(LAYERS)]
     x = torch.randn(1, K, dtype=torch.bfloat16)  # [1, K]: one token
     print(f"| format | mode | ms per {LAYERS} linears | effective GB/s |\n|---|---|---:|---:|")
-    for name, make, bytes_per_weight in FORMATS:
+    for name, make, bytes_per_weight, compile_too in FORMATS:
         mods = [make(lin) for lin in linears]
         modes = [("eager", mods)]
-        if not args.no_compile and make in (Int8WeightLinear, Int4WeightLinear):
+        if not args.no_compile and compile_too:
             with torch.no_grad():
                 modes.append(("compiled", [torch.compile(m) for m in mods]))
         for mode, ms in modes:
