@@ -1,0 +1,68 @@
+"""Milliseconds of one single-token decode step (forward + logits + argmax) of a model per linear format,
+with our weight-only kernels and with torch's: what a draft model's step costs.
+
+    python benchmarks/decode_step.py [--model qwen2.5-coder-0.5b-instruct] [--formats int4-hybrid,int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdecode.model import woq_native
+from specdecode.model.fast_linear import Int4HybridLinear, Int4WeightLinear, Int8WeightLinear, convert_linears
+from specdecode.model.load import load_model
+
+NATIVE_CLASSES = {"int8": Int8WeightLinear, "int4": Int4WeightLinear, "int4-hybrid": Int4HybridLinear}
+
+
+def step_ms(model: torch.nn.Module, context: int = 64, steps: int = 20) -> float:
+    cache = model.new_cache(1, context + steps + 1)
+    with torch.inference_mode():
+        model(torch.ones(1, context, dtype=torch.long), torch.arange(context)[None], cache)
+        cache.set_length(0, context)
+        samples = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            hidden = model(torch.tensor([[5]]), torch.tensor([[context + i]]), cache)
+            model.compute_logits(hidden[0, -1:]).argmax()
+            cache.set_length(0, context + i + 1)
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[2:]) * 1e3
+
+
+def convert(model: torch.nn.Module, fmt: str, native: bool) -> None:
+    """convert_linears, with our kernels or torch's for the weight-only formats."""
+    cls = NATIVE_CLASSES.get(fmt)
+    if cls is None:
+        convert_linears(model, fmt)  # type: ignore[arg-type]
+        return
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, name, cls(child, native=native))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--formats", default="packed-bf16,int8,int4-hybrid")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"| {args.model} format | kernel | ms per token |\n|---|---|---:|")
+    for fmt in args.formats.split(","):
+        kernels = [True, False] if fmt in NATIVE_CLASSES and woq_native.available() else [False]
+        for native in kernels:
+            model = load_model(args.model, torch.bfloat16, "cpu").model
+            convert(model, fmt, native)
+            kernel = ("ours" if native else "torch") if fmt in NATIVE_CLASSES else "–"
+            print(f"| {fmt} | {kernel} | {step_ms(model):.1f} |", flush=True)
+            del model
+
+
+if __name__ == "__main__":
+    main()
