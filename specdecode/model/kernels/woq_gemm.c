@@ -1,10 +1,11 @@
 // Weight-only int8 / int4 GEMM for a few rows of activations (decode and verification), AVX512-BF16.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] with x in bf16 (fp32 inputs are rounded to bf16 first, as torch's
-// weight-only kernels do) and fp32 accumulation. Every decoded block of weights is reused for all rows
-// of x (up to 4 at a time from registers), so the weights stream from memory once per call. Each output element is computed by one thread in the same order whatever the number
-// of rows, so a row's result does not depend on the other rows of the forward (speculative verification
-// gives, bit for bit, the rows of single-token forwards). Threads split the output channels.
+// weight-only kernels do) and fp32 accumulation. A block of 4 output channels is decoded once per 2 rows
+// of x and stays in L1 for the next rows, so the weights stream from memory once per call. Each output
+// element is computed by one thread in the same order whatever the number of rows, so a row's result
+// does not depend on the other rows of the forward (speculative verification gives, bit for bit, the
+// rows of single-token forwards). Threads split the output channels.
 //
 // int8: w[n, k] = q[n, k] * scale[n]; q int8 row-major [N, K] (torch's layout); scale bf16 [N].
 // int4: w[n, k] = (128 + q) * scale[n, g] + offset[n, g] for the group g = k / 128; q in 0..15, packed
@@ -54,9 +55,10 @@ static inline void store(void* y, int y_is_f32, int64_t idx, float v) {
 }
 
 // ---- int8 ------------------------------------------------------------------------------------------
-// 64 weights are loaded at once and split into four vectors of 16 with in-lane shifts and masks: byte j of
-// each 32-bit lane, moved to the top byte, is the integer q * 2^24 (exact), converted to fp32. The
-// sign-extending loads (vpmovsxbd) would be simpler but cross lanes and halve the decode rate on Zen 4.
+// 64 weights are loaded at once and split into four vectors of 16 with in-lane byte shuffles (one mask
+// for byte 3): byte j of each 32-bit lane, moved to the top byte, is the integer q * 2^24 (exact),
+// converted to fp32. The sign-extending loads (vpmovsxbd) would be simpler but cross lanes and halve
+// the decode rate on Zen 4.
 // Lane i of vector j holds weight 4i + j of the chunk, so x is permuted to match once per call; the
 // 2^-24 is folded into the channel's scale.
 
