@@ -13,10 +13,8 @@ import time
 import torch
 
 from specdecode.model import woq_native
-from specdecode.model.fast_linear import Int4HybridLinear, Int4WeightLinear, Int8WeightLinear, convert_linears
+from specdecode.model.fast_linear import WEIGHT_ONLY_FORMATS, convert_linears
 from specdecode.model.load import load_model
-
-NATIVE_CLASSES = {"int8": Int8WeightLinear, "int4": Int4WeightLinear, "int4-hybrid": Int4HybridLinear}
 
 
 def step_ms(model: torch.nn.Module, context: int = 64, steps: int = 20) -> float:
@@ -34,18 +32,6 @@ def step_ms(model: torch.nn.Module, context: int = 64, steps: int = 20) -> float
     return statistics.median(samples[2:]) * 1e3
 
 
-def convert(model: torch.nn.Module, fmt: str, native: bool) -> None:
-    """convert_linears, with our kernels or torch's for the weight-only formats."""
-    cls = NATIVE_CLASSES.get(fmt)
-    if cls is None:
-        convert_linears(model, fmt)  # type: ignore[arg-type]
-        return
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(module, name, cls(child, native=native))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
@@ -55,11 +41,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"| {args.model} format | kernel | ms per token |\n|---|---|---:|")
     for fmt in args.formats.split(","):
-        kernels = [True, False] if fmt in NATIVE_CLASSES and woq_native.available() else [False]
+        kernels = [True, False] if fmt in WEIGHT_ONLY_FORMATS and woq_native.available() else [False]
         for native in kernels:
             model = load_model(args.model, torch.bfloat16, "cpu").model
-            convert(model, fmt, native)
-            kernel = ("ours" if native else "torch") if fmt in NATIVE_CLASSES else "–"
+            convert_linears(model, fmt, native=native)  # type: ignore[arg-type]
+            kernel = ("ours" if native else "torch") if fmt in WEIGHT_ONLY_FORMATS else "–"
             print(f"| {fmt} | {kernel} | {step_ms(model):.1f} |", flush=True)
             del model
 

@@ -89,3 +89,14 @@ def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
             Int4WeightLinear(bf16_linear(16, 128, seed=1), native=True)
     finally:
         woq_native._library.cache_clear()
+
+
+def test_convert_linears_picks_the_kernels() -> None:
+    from specdecode.model.fast_linear import Int4HybridLinear, convert_linears
+
+    model = torch.nn.Sequential(bf16_linear(16, 128, seed=1), bf16_linear(16, 128, seed=2))
+    convert_linears(model, "int4-hybrid", native=False)
+    assert all(isinstance(m, Int4HybridLinear) and not m.int4.native for m in model)
+    model = torch.nn.Sequential(bf16_linear(16, 128, seed=1))
+    convert_linears(model, "int8", native=False)
+    assert not model[0].native

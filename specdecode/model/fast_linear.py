@@ -258,13 +258,20 @@ _CONSTRUCTORS = {
 }
 
 
-def convert_linears(model: nn.Module, fmt: LinearFormat) -> nn.Module:
-    """Replace every nn.Linear (lm_head included) by the given CPU format, in place."""
+WEIGHT_ONLY_FORMATS: tuple[str, ...] = ("int8", "int4", "int4-hybrid")
+"""Formats that run on our kernels or torch's (`native`)."""
+
+
+def convert_linears(model: nn.Module, fmt: LinearFormat, native: bool | None = None) -> nn.Module:
+    """Replace every nn.Linear (lm_head included) by the given CPU format, in place. `native` picks the
+    kernels of a weight-only format (None: ours where available)."""
     if fmt == "none":
         return model
     if fmt not in _CONSTRUCTORS:
         raise ValueError(f"unknown linear format {fmt!r}; choose one of {', '.join(FORMATS)}")
     make = _CONSTRUCTORS[fmt]
+    if native is not None and fmt in WEIGHT_ONLY_FORMATS:
+        make = functools.partial(make, native=native)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):

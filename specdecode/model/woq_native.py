@@ -3,7 +3,8 @@
 Why a hand-written kernel: torch's weight-only kernels read int8 weights at 18.6-20.8 GB/s and int4
 at 19.3-21.6 GB/s on this 2-core CPU for one token (`benchmarks/linear_kernels.py`), well below what
 plain decoding within 1.3x of its memory floor needs (~27 GB/s). The kernels decode 64 bytes of weights
-at a time with in-lane shifts only (int8 to fp32 for FMAs, int4 to bf16 for AVX512-BF16 dot products)
+at a time with in-lane byte shuffles and shifts (int8 to fp32 for FMAs, int4 to bf16 for AVX512-BF16 dot
+products)
 and reuse each decoded block for every row of the input. They need a C compiler with OpenMP and an
 AVX512-BF16 CPU; elsewhere (or with SPECDECODE_NATIVE_KERNELS=0) `available()` is False and the linears
 keep torch's kernels.
@@ -59,18 +60,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
-def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (fp32/bf16) times (q [N, K] int8 * scale [N] bf16).T -> [M, N] in x's dtype."""
+def _gemm(kernel: str, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    """Call woq_<kernel>_gemm(x, is_f32, M, K, *weights, N, y, is_f32, threads): [M, N] in x's dtype
+    (fp32, or bf16 for bf16 inputs). N is the first weight's row count."""
     lib = _library()
-    assert lib is not None and q.dtype == torch.int8 and scale.dtype == torch.bfloat16
+    assert lib is not None
     x2 = _rows(x)
     m, k = x2.shape
-    n = q.shape[0]
+    n = weights[0].shape[0]
     y = torch.empty(m, n, dtype=x2.dtype)
     f32 = int(x2.dtype == torch.float32)
-    lib.woq_int8_gemm(x2.data_ptr(), f32, m, k, q.data_ptr(), scale.data_ptr(), n, y.data_ptr(), f32,
-                      torch.get_num_threads())
+    getattr(lib, f"woq_{kernel}_gemm")(x2.data_ptr(), f32, m, k, *(w.data_ptr() for w in weights), n, y.data_ptr(),
+                                       f32, torch.get_num_threads())
     return y
+
+
+def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (fp32/bf16) times (q [N, K] int8 * scale [N] bf16).T -> [M, N] in x's dtype."""
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16
+    return _gemm("int8", x, q, scale)
 
 
 INT4_GROUP = 128
@@ -99,13 +107,5 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """x [M, K] times ((128 + q) * scale + offset).T with q packed by `pack_int4`; scale, offset fp32
     [N, K / 128]."""
-    lib = _library()
-    assert lib is not None and packed.dtype == torch.uint8 and scale.dtype == offset.dtype == torch.float32
-    x2 = _rows(x)
-    m, k = x2.shape
-    n = packed.shape[0]
-    y = torch.empty(m, n, dtype=x2.dtype)
-    f32 = int(x2.dtype == torch.float32)
-    lib.woq_int4_gemm(x2.data_ptr(), f32, m, k, packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), n,
-                      y.data_ptr(), f32, torch.get_num_threads())
-    return y
+    assert packed.dtype == torch.uint8 and scale.dtype == offset.dtype == torch.float32
+    return _gemm("int4", x, packed, scale, offset)
