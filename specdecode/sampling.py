@@ -201,7 +201,8 @@ def block_output_counts(base_counts: torch.Tensor, block_tokens: torch.Tensor) -
     steps = torch.zeros(*lead, k + 1, vocab, dtype=base_counts.dtype, device=base_counts.device)
     if k:
         ones = torch.ones(block_tokens.shape, dtype=base_counts.dtype, device=base_counts.device)
-        steps[..., 1:, :].scatter_add_(-1, block_tokens.unsqueeze(-1).long(), ones.unsqueeze(-1))
+        index = block_tokens.to(base_counts.device, torch.long).unsqueeze(-1)  # tokens may come from the CPU
+        steps[..., 1:, :].scatter_add_(-1, index, ones.unsqueeze(-1))
     return base_counts.unsqueeze(-2) + steps.cumsum(-2)  # [..., k+1, V]
 
 

@@ -58,18 +58,22 @@ def verify_draft(seq: Sequence, logits: torch.Tensor, draft: Draft) -> tuple[lis
         argmax = torch.tensor(sample_rows(seq, logits, draft.tokens))
         out, accepted = verify_greedy(draft_t, argmax)
     else:
-        target_probs = target_probs_for(seq, logits, draft.tokens).cpu()
+        # The accept loop reads scalars: both distributions go to the CPU (the draft's may be on a GPU).
+        target_probs = target_probs_for(seq, logits, draft.tokens).cpu()  # [k+1, V]
+        draft_probs = None if draft.probs is None else draft.probs.cpu()  # [k, V]
         u = draw_uniforms(len(draft) + 1, seq.generator)
-        out, accepted = verify_chain(draft_t, draft.probs, target_probs, u[:-1], float(u[-1]))
+        out, accepted = verify_chain(draft_t, draft_probs, target_probs, u[:-1], float(u[-1]))
     return out.tolist(), accepted
 
 
 def tree_output_counts(base_counts: torch.Tensor, attn_mask: torch.Tensor, node_tokens: torch.Tensor) -> torch.Tensor:
     """Output counts each tree node's distribution is conditioned on: base + the tokens on the path
     from the root (excluded) to the node (included). attn_mask [n, n], node_tokens [n] -> [n, V]."""
-    onehot = torch.zeros(node_tokens.shape[0], base_counts.shape[-1], dtype=base_counts.dtype)
-    onehot[1:].scatter_(1, node_tokens[1:, None], 1)  # the root is the pending token: already counted
-    return base_counts + attn_mask.to(base_counts.dtype) @ onehot
+    device = base_counts.device  # the counts live with the logits; the tree buffers on the CPU
+    onehot = torch.zeros(node_tokens.shape[0], base_counts.shape[-1], device=device)  # [n, V]
+    onehot[1:].scatter_(1, node_tokens[1:, None].to(device), 1)  # the root is the pending token: already counted
+    # In float32 (CUDA has no integer matmul); exact, as each entry is a count below the tree's size.
+    return base_counts + (attn_mask.to(device, torch.float32) @ onehot).to(base_counts.dtype)
 
 
 def verify_tree_draft(

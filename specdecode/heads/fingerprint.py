@@ -16,6 +16,6 @@ def target_fingerprint(target: Transformer) -> dict[str, object]:
     cfg = target.config
     w = target.model.embed_tokens.weight
     sample = w[:: max(1, w.shape[0] // 64), :64].float().contiguous()  # 64 rows x 64 columns
-    digest = hashlib.sha256(sample.to(torch.bfloat16).view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+    digest = hashlib.sha256(sample.to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes()).hexdigest()[:16]
     return {"arch": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
             "num_layers": cfg.num_layers, "embedding_sha": digest}
