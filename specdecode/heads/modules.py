@@ -115,14 +115,14 @@ class EagleHead(DraftHead):
             # The keys are this call's own: causal over local indices, rope at the given positions.
             t = tokens.shape[1]
             local = positions - positions[:, :1]
-            cos, sin, kv_len, mask, slots = attention_inputs(
+            cos, sin, kv_len, mask, write = attention_inputs(
                 self._rope_for(int(positions.max()) + 1), x.dtype, positions, t, local, None
             )
         else:
-            cos, sin, kv_len, mask, slots = attention_inputs(
+            cos, sin, kv_len, mask, write = attention_inputs(
                 self._rope_for(cache.max_len), x.dtype, positions, cache.max_len, slots, attn_mask
             )
-        x = self.layer(x, cos, sin, cache, slots, kv_len, mask)
+        x = self.layer(x, cos, sin, cache, write, kv_len, mask)
         return self.norm(x)
 
 

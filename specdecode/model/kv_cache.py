@@ -8,7 +8,30 @@ Rejecting draft tokens is a length change (`truncate`), never a copy; after a tr
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class CacheSlots(NamedTuple):
+    """Where one forward writes its K/V: `index` [B, T] cache slots; `start` when they are one row's
+    contiguous run (then each layer writes a slice); `end` = 1 + the highest slot. Worked out once per
+    forward from one read of the slots: on a GPU each read waits for the device, and a check in every
+    layer's write would stall every layer."""
+
+    index: torch.Tensor
+    start: int | None
+    end: int
+
+    @classmethod
+    def of(cls, slots: torch.Tensor) -> CacheSlots:
+        b, t = slots.shape
+        if b != 1:
+            return cls(slots, None, int(slots.max()) + 1)
+        host = slots[0].tolist()
+        # Every step must be +1: equal end points alone let e.g. [3, 5, 4] through.
+        contiguous = all(nxt - cur == 1 for cur, nxt in zip(host, host[1:], strict=False))
+        return cls(slots, host[0] if contiguous else None, max(host) + 1)
 
 
 class KVCache:
@@ -36,17 +59,17 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor | CacheSlots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [B, kvh, T, hd] at slots [B, T] of `layer`."""
-        b, t = slots.shape
-        start = slots[0, 0].item() if b == 1 else -1
-        # Every step must be +1: equal end points alone let e.g. [3, 5, 4] through.
-        if b == 1 and (t == 1 or bool((slots[0, 1:] - slots[0, :-1] == 1).all())):
-            # Contiguous single-row write (the common chain case): a slice copy.
-            self.k[layer, :, :, start : start + t] = k
-            self.v[layer, :, :, start : start + t] = v
+        if isinstance(slots, torch.Tensor):
+            slots = CacheSlots.of(slots)
+        b, t = slots.index.shape
+        if slots.start is not None:  # contiguous single-row write (the common chain case): a slice copy
+            self.k[layer, :, :, slots.start : slots.start + t] = k
+            self.v[layer, :, :, slots.start : slots.start + t] = v
             return
-        rows = torch.arange(b, device=slots.device).unsqueeze(1).expand(b, t)
+        rows = torch.arange(b, device=slots.index.device).unsqueeze(1).expand(b, t)
+        slots = slots.index
         # Index a [B, S, kvh, hd] view so advanced indexing writes through to storage.
         self.k[layer].transpose(1, 2)[rows, slots] = k.transpose(1, 2)
         self.v[layer].transpose(1, 2)[rows, slots] = v.transpose(1, 2)

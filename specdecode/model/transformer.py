@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.model.config import ModelConfig
-from specdecode.model.kv_cache import KVCache
+from specdecode.model.kv_cache import CacheSlots, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -53,14 +53,15 @@ def attention_inputs(
     cache_len: int,
     slots: torch.Tensor | None,  # [B, T] or None = positions
     attn_mask: torch.Tensor | None,  # [B, T, S] or None = causal over slots
-) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None, CacheSlots]:
     """Rope cos/sin at the positions [B, 1, T, hd], the attended cache length, the [B, 1, T, S] mask
     (None when one query sees everything) and the slots. Shared by the target and the draft heads."""
     if slots is None:
         slots = positions
     b, t = positions.shape
+    write = CacheSlots.of(slots)
     if attn_mask is None:
-        kv_len = int(slots.max()) + 1
+        kv_len = write.end
         if b == 1 and t == 1:
             mask = None  # one query sees every slot up to its own
         else:
@@ -74,7 +75,7 @@ def attention_inputs(
     cos_t, sin_t = rope
     cos = cos_t[positions].to(dtype).unsqueeze(1)
     sin = sin_t[positions].to(dtype).unsqueeze(1)
-    return cos, sin, kv_len, mask, slots
+    return cos, sin, kv_len, mask, write
 
 
 SMALL_ATTENTION_TOKENS = 16
@@ -138,7 +139,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # [B, 1, T, hd]
         sin: torch.Tensor,
         cache: KVCache | None,
-        slots: torch.Tensor,  # [B, T]
+        slots: CacheSlots,  # where this forward's K/V go
         kv_len: int,
         mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
     ) -> torch.Tensor:
