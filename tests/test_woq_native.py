@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from linear_helpers import BF16_HALF_ULP, FP32_ULP, bf16_linear, check_bound, inputs
 
 from specdecode.model import woq_native
 from specdecode.model.fast_linear import Int4WeightLinear, Int8WeightLinear
-from tests.test_quantized_linears import BF16_HALF_ULP, FP32_ULP, bf16_linear, check_bound, inputs
 
 needs_native = pytest.mark.skipif(not woq_native.available(), reason="no AVX512-BF16 CPU or no C compiler")
 KERNELS = [pytest.param(True, id="native", marks=needs_native), pytest.param(False, id="torch")]
