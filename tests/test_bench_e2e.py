@@ -246,7 +246,7 @@ def test_resumed_run_probes_bandwidth_every_session(tiny_llama_dir: Path, tmp_pa
     assert json.loads((out / "summary.json").read_text())["bandwidth"]["read_gb_per_s"] == 60.0
     # a run stored before sessions kept their probes: its one probe is in the state's bandwidth only
     state = json.loads((out / "run-state.json").read_text())
-    del state["sessions"][0]["bandwidth"]
+    del state["sessions"][0]["bandwidth_probes"]
     (out / "run-state.json").write_text(json.dumps(state))
     assert main([*args, "--resume"]) == 0 and main([*args, "--resume"]) == 0
     summary = json.loads((out / "summary.json").read_text())

@@ -436,7 +436,8 @@ class BenchRun:
         state.sessions.append({**machine, "command": self.command, "records_before": len(state.records)})
         if cfg.bandwidth_gb > 0:
             # A run stored before sessions kept their probes has its one probe in state.bandwidth.
-            if state.bandwidth is not None and not any("bandwidth" in s for s in state.sessions):
+            if state.bandwidth is not None and not any({"bandwidth", "bandwidth_probes"} & s.keys()
+                                                       for s in state.sessions):
                 state.sessions[0]["bandwidth"] = {k: v for k, v in state.bandwidth.items()
                                                   if k != "probes_read_gb_per_s"}
             self._probe_bandwidth()
@@ -483,8 +484,7 @@ class BenchRun:
         assert state is not None
         probe = measure_bandwidth(self.cfg.bandwidth_gb)
         session = state.sessions[-1]
-        session.setdefault("bandwidth", probe)
-        session.setdefault("bandwidth_probes", []).append(probe)
+        session.setdefault("bandwidth_probes", []).append(probe)  # sessions stored before: one "bandwidth"
         probes = [b for s in state.sessions for b in (s.get("bandwidth_probes") or [s.get("bandwidth")]) if b]
         state.bandwidth = median_probe(probes)
         state.save()
