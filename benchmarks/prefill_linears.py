@@ -1,0 +1,75 @@
+"""Milliseconds of a prompt's forward through one linear of the 1.5B target (1536 -> 8960, an MLP
+up-projection), per format and kernel, for prompts of a few hundred tokens: what prefill costs.
+
+Decode reads each weight once per token and is bound by memory; prefill multiplies every weight by
+hundreds of rows and is bound by arithmetic, where bf16 dot products (oneDNN) do twice the work of fp32
+FMAs per instruction.
+
+    python benchmarks/prefill_linears.py [--rows 128,512] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.model import woq_native
+from specdecode.model.fast_linear import Int4WeightLinear, Int8DynamicLinear, Int8WeightLinear, PackedBF16Linear
+
+K, N = 1536, 8960
+
+
+def ms(fn: Callable[[], torch.Tensor], repeats: int = 7) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e3
+
+
+def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "bf16 packed (oneDNN)": PackedBF16Linear(lin),
+        "int8-dynamic (FBGEMM)": Int8DynamicLinear(lin),
+    }
+    i8 = Int8WeightLinear(lin, native=False)
+    out["int8 weight-only, torch"] = i8
+    # int8 values are exact in bf16: a bf16 GEMM of x and q, then the channel scales.
+    out["int8 weight-only, q as bf16 + oneDNN"] = lambda x: F.linear(x, i8.weight.to(torch.bfloat16)) * i8.scales
+    if woq_native.available():
+        out["int8 weight-only, ours"] = Int8WeightLinear(lin, native=True)
+        out["int4 weight-only, ours"] = Int4WeightLinear(lin, native=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="128,512")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(K, N, bias=False)
+    torch.nn.init.normal_(lin.weight, std=0.02)
+    rows = [int(r) for r in args.rows.split(",")]
+    kernels = variants(lin)
+    print("| kernel | " + " | ".join(f"{r} rows: ms" for r in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    with torch.inference_mode():
+        for name, mod in kernels.items():
+            cells = []
+            for r in rows:
+                x = torch.randn(1, r, K).to(torch.bfloat16)
+                cells.append(f"{ms(lambda mod=mod, x=x: mod(x)):.1f}")
+            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
