@@ -244,6 +244,16 @@ def test_resumed_run_state_appends_after_a_cut_off_line(tmp_path):
     assert [r["prompt_index"] for r in read_records(tmp_path / RECORDS_FILE)] == [0, 1]
 
 
+def test_resumed_run_may_add_a_kind_of_head_but_not_change_one(tmp_path):
+    from specdecode.bench.run_state import RunState
+
+    RunState.start(tmp_path, {"model": "m", "heads": {"eagle": "/e"}}, resume=False)
+    RunState.start(tmp_path, {"model": "m", "heads": {"eagle": "/e", "medusa": "/m"}}, resume=True)
+    for heads in ({"eagle": "/other"}, {}):
+        with pytest.raises(ValueError, match="other settings"):
+            RunState.start(tmp_path, {"model": "m", "heads": heads}, resume=True)
+
+
 def test_median_probe() -> None:
     from specdecode.bench.bandwidth import median_probe
 

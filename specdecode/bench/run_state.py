@@ -19,7 +19,14 @@ RECORDS_FILE = "records.jsonl"
 
 KEY_FIELDS = ("model", "dataset", "tasks", "per_task", "limit", "max_tokens", "temperature", "dtype", "seed",
               "draft", "heads")
-"""Settings a resumed run must share with the stored one (methods and peers may be added)."""
+"""Settings a resumed run must share with the stored one (methods and peers may be added, and with them
+heads of a kind the run had none of)."""
+
+
+def _same_setting(field: str, stored: Any, now: Any) -> bool:
+    if field == "heads" and isinstance(stored, dict) and isinstance(now, dict):
+        return all(now.get(kind) == path for kind, path in stored.items())  # a new kind of head may join
+    return stored == now
 
 Key = tuple[str, str, int]
 """(method, task, prompt index): one measured generation."""
@@ -77,7 +84,7 @@ class RunState:
             raise ValueError(f"--resume: no run to resume in {out} (no {STATE_FILE})")
         data = json.loads(path.read_text(encoding="utf-8"))
         changed = [f"{k}: {data['key'].get(k)!r} -> {key.get(k)!r}" for k in KEY_FIELDS
-                   if data["key"].get(k) != key.get(k)]
+                   if not _same_setting(k, data["key"].get(k), key.get(k))]
         if changed:
             raise ValueError(f"--resume: the run in {out} used other settings ({'; '.join(changed)}); "
                              "use the same options or a new --out")
