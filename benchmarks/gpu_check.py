@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import _save_tokenizer, make_tiny_hf_dir  # noqa: E402 - the tests' tiny checkpoints
+from tiny_helpers import GREEDY, tiny_prompts  # noqa: E402 - and their prompts
 
 from specdecode import LLM, SamplingParams  # noqa: E402
 from specdecode.heads.persist import new_head, save_head  # noqa: E402
@@ -60,11 +61,10 @@ def random_qwen_dir(path: Path, shape: str, device: str) -> Path:
 def check_exactness(work: Path, device: str) -> dict[str, Any]:
     """Every method's greedy output equals plain greedy output on CUDA (fp32, tiny random models)."""
     target, other = make_tiny_hf_dir(work / "tiny", "llama", seed=0), make_tiny_hf_dir(work / "other", "llama", seed=1)
-    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     plain = LLM(str(target), dtype="fp32", device=device)
-    prompts = [plain.tokenizer.encode("def add(a, b):"), plain.tokenizer.encode("The quick brown fox")]
-    ref = [o.token_ids for o in plain.generate(prompts, greedy)]
-    cpu_ref = [o.token_ids for o in LLM(str(target), dtype="fp32", device="cpu").generate(prompts, greedy)]
+    prompts = tiny_prompts(plain)
+    ref = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    cpu_ref = [o.token_ids for o in LLM(str(target), dtype="fp32", device="cpu").generate(prompts, GREEDY)]
     heads = {}
     for kind in ("eagle", "medusa"):
         head = new_head(plain.target.model, kind, torch.arange(0, plain.target.config.vocab_size, 2), seed=3)
@@ -91,12 +91,11 @@ def check_exactness(work: Path, device: str) -> dict[str, Any]:
 def check_method(target: Path, prompts: list[list[int]], ref: list[list[int]], cfg: dict[str, Any],
                  device: str) -> dict[str, Any]:
     """Greedy output equals plain (alone and in continuous batching); seeded sampling repeats."""
-    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     llm = LLM(str(target), dtype="fp32", device=device, speculative_config=cfg)
-    got = llm.generate(prompts, greedy)
+    got = llm.generate(prompts, GREEDY)
     steps = sum(o.metrics["steps"] for o in got)
     out: dict[str, Any] = {"equal": [o.token_ids for o in got] == ref,
-                           "batched_equal": run_batch(llm, prompts * 2, greedy) == ref * 2,
+                           "batched_equal": run_batch(llm, prompts * 2, GREEDY) == ref * 2,
                            "tau": round(sum(len(o.token_ids) for o in got) / max(1, steps), 2)}
     sampled = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=7)
     a, b = (llm.generate(prompts[:1], sampled)[0].token_ids for _ in range(2))
@@ -149,8 +148,7 @@ def tokens_per_s(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float]:
     t0 = time.perf_counter()
     out = llm.generate([prompt], params)[0]
     dt = time.perf_counter() - t0
-    n = len(out.token_ids)
-    return {"tok_s": round(n / dt, 1), "tau": round(n / max(1, out.metrics["steps"]), 2)}
+    return {"tok_s": round(len(out.token_ids) / dt, 1), "tau": round(out.metrics["mean_accepted_length"], 2)}
 
 
 def check_speed(work: Path, device: str, small: bool = False) -> dict[str, Any]:

@@ -11,27 +11,16 @@ FMAs per instruction.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from linear_kernels import seconds_per_pass  # the timing loop of the decode-side twin of this script
 
 from specdecode.model import woq_native
 from specdecode.model.fast_linear import Int4WeightLinear, Int8DynamicLinear, Int8WeightLinear, PackedBF16Linear
 
 K, N = 1536, 8960
-
-
-def ms(fn: Callable[[], torch.Tensor], repeats: int = 7) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3
 
 
 def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -67,7 +56,7 @@ def main() -> None:
             cells = []
             for r in rows:
                 x = torch.randn(1, r, K).to(torch.bfloat16)
-                cells.append(f"{ms(lambda mod=mod, x=x: mod(x)):.1f}")
+                cells.append(f"{seconds_per_pass([mod], x) * 1e3:.1f}")
             print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -68,11 +68,11 @@ class KVCache:
             self.k[layer, :, :, slots.start : slots.start + t] = k
             self.v[layer, :, :, slots.start : slots.start + t] = v
             return
-        rows = torch.arange(b, device=slots.index.device).unsqueeze(1).expand(b, t)
-        slots = slots.index
+        index = slots.index
+        rows = torch.arange(b, device=index.device).unsqueeze(1).expand(b, t)
         # Index a [B, S, kvh, hd] view so advanced indexing writes through to storage.
-        self.k[layer].transpose(1, 2)[rows, slots] = k.transpose(1, 2)
-        self.v[layer].transpose(1, 2)[rows, slots] = v.transpose(1, 2)
+        self.k[layer].transpose(1, 2)[rows, index] = k.transpose(1, 2)
+        self.v[layer].transpose(1, 2)[rows, index] = v.transpose(1, 2)
 
     def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of slots [0, kv_len): [B, kvh, kv_len, hd] views."""
