@@ -13,7 +13,7 @@ import time
 import torch
 
 from specdecode.model import woq_native
-from specdecode.model.fast_linear import WEIGHT_ONLY_FORMATS, convert_linears
+from specdecode.model.fast_linear import NATIVE_FORMATS, convert_linears
 from specdecode.model.load import load_model
 
 
@@ -35,17 +35,17 @@ def step_ms(model: torch.nn.Module, context: int = 64, steps: int = 20) -> float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--formats", default="packed-bf16,int8,int4-hybrid")
+    ap.add_argument("--formats", default="bf16,int8,int4-hybrid")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"| {args.model} format | kernel | ms per token |\n|---|---|---:|")
     for fmt in args.formats.split(","):
-        kernels = [True, False] if fmt in WEIGHT_ONLY_FORMATS and woq_native.available() else [False]
+        kernels = [True, False] if fmt in NATIVE_FORMATS and woq_native.available() else [False]
         for native in kernels:
             model = load_model(args.model, torch.bfloat16, "cpu").model
             convert_linears(model, fmt, native=native)  # type: ignore[arg-type]
-            kernel = ("ours" if native else "torch") if fmt in WEIGHT_ONLY_FORMATS else "–"
+            kernel = ("ours" if native else ("oneDNN" if fmt == "bf16" else "torch")) if fmt in NATIVE_FORMATS else "–"
             print(f"| {fmt} | {kernel} | {step_ms(model):.1f} |", flush=True)
             del model
 

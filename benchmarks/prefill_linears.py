@@ -18,14 +18,14 @@ import torch.nn.functional as F
 from linear_kernels import seconds_per_pass  # the timing loop of the decode-side twin of this script
 
 from specdecode.model import woq_native
-from specdecode.model.fast_linear import Int4WeightLinear, Int8DynamicLinear, Int8WeightLinear, PackedBF16Linear
+from specdecode.model.fast_linear import BF16Linear, Int4WeightLinear, Int8DynamicLinear, Int8WeightLinear
 
 K, N = 1536, 8960
 
 
 def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "bf16 packed (oneDNN)": PackedBF16Linear(lin),
+        "bf16 packed (oneDNN)": BF16Linear(lin, native=False),
         "int8-dynamic (FBGEMM)": Int8DynamicLinear(lin),
     }
     i8 = Int8WeightLinear(lin, native=False)

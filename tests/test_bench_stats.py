@@ -187,7 +187,7 @@ def test_weight_bytes_counts_packed_linear_tensors():
     info = weight_bytes_per_token(model)
     assert info["bytes"] == 64 * 32 * 1 + 32 * 2  # int8 weight + bf16 scales
     model = nn.Sequential(nn.Linear(64, 32, bias=False).to(torch.bfloat16))
-    convert_linears(model, "packed-bf16")
+    convert_linears(model, "bf16")
     assert weight_bytes_per_token(model)["bytes"] == 64 * 32 * 2
 
 

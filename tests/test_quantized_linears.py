@@ -25,11 +25,11 @@ from specdecode.config import DRAFT_QUANTIZATIONS, SpeculativeConfig
 from specdecode.model.fast_linear import (
     FORMATS,
     QUANTIZATIONS,
+    BF16Linear,
     Int4HybridLinear,
     Int4WeightLinear,
     Int8DynamicLinear,
     Int8WeightLinear,
-    PackedBF16Linear,
     convert_linears,
     target_linear_format,
 )
@@ -49,8 +49,8 @@ def effective_weight(module: nn.Module, lin: nn.Linear, rows: int) -> torch.Tens
     """The fp32 weight the module's kernel multiplies a forward of `rows` rows by."""
     if isinstance(module, Int4HybridLinear):
         return effective_weight(module.int4 if rows <= module.max_int4_rows else module.bf16, lin, rows)
-    if isinstance(module, PackedBF16Linear):
-        return lin.weight.detach().float()  # bf16 numbers by construction: packing keeps them exactly
+    if isinstance(module, BF16Linear):
+        return lin.weight.detach().float()  # bf16 numbers by construction: kept or packed exactly
     return module.dequantized()  # type: ignore[operator]
 
 

@@ -1,15 +1,16 @@
 """Faster CPU execution of the Linear layers, swapped in after loading.
 
-- `packed-bf16`: the same bf16 weights, pre-packed once into oneDNN's blocked layout. The
-  plain bf16 matmul re-packs on every call and runs at ~1/3 of memory bandwidth on these
-  CPUs; the packed one reaches it. Exact w.r.t. the bf16 model up to accumulation order.
+- `bf16`: the model's own bf16 weights: our AVX512-BF16 kernel (`woq_native`) for decode and
+  verification, where it builds, else pre-packed once into oneDNN's blocked layout (the plain bf16
+  matmul re-packs on every call and runs at ~1/3 of memory bandwidth on these CPUs). Exact w.r.t.
+  the bf16 model up to accumulation order.
 - `int8`: weight-only int8 with per-channel scales (our AVX512 kernel, `woq_native`, where it builds;
   else `torch._weight_int8pack_mm`).
 - `int8-dynamic`: int8 weights x int8 activations quantized per token at run time (FBGEMM's int8
   GEMM, VNNI): the fastest verification forward (DESIGN.md section 6).
 - `int4`: weight-only int4 with group-wise scales/minima (our AVX512 kernel, groups of 128; else
   `torch._weight_int4pack_mm_for_cpu`, groups of 32).
-- `int4-hybrid`: int4 for forwards of a few tokens, packed bf16 for prefill (drafts).
+- `int4-hybrid`: int4 for forwards of a few tokens, bf16 for prefill (drafts).
 The quantized formats change the model: for drafts (which never change the output) or
 explicit opt-in.
 """
@@ -21,26 +22,15 @@ import warnings
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdecode.model import woq_native
 
-LinearFormat = Literal["none", "packed-bf16", "int8", "int8-dynamic", "int4", "int4-hybrid"]
-FORMATS: tuple[str, ...] = ("none", "packed-bf16", "int8", "int8-dynamic", "int4", "int4-hybrid")
+LinearFormat = Literal["none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid"]
+FORMATS: tuple[str, ...] = ("none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4")
 """What a user may pick for a target (`LLM(quantization=...)`, `--quantization`) or a draft."""
-
-
-class PackedBF16Linear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        w = linear.weight.detach().to(torch.bfloat16)
-        self.out_features, self.in_features = w.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def _native(native: bool | None) -> bool:
@@ -48,6 +38,41 @@ def _native(native: bool | None) -> bool:
     if native and not woq_native.available():
         raise ValueError("the native weight-only kernels are not available on this machine")
     return woq_native.available() if native is None else native
+
+
+NATIVE_BF16_MAX_ROWS = 65
+"""Rows up to which bf16 linears take our kernel: one token, or the verification of a chain or of a tree of
+up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) go to oneDNN."""
+
+
+class BF16Linear(nn.Module):
+    """The model's own bf16 weights: the exact target's format on CPU.
+
+    With our kernels (`native`): they read the weights for one token ~1.3-1.5x faster than oneDNN's
+    pre-packed ones, and a row's result does not depend on the other rows of the forward. Prefill goes
+    to torch's bf16 matmul, which re-packs the weights per call: little next to a long prompt's
+    arithmetic. Without them: oneDNN's weights pre-packed once (the plain bf16 matmul re-packs on every
+    call and reads a single token at ~1/3 of memory bandwidth)."""
+
+    def __init__(self, linear: nn.Linear, native: bool | None = None) -> None:
+        super().__init__()
+        w = linear.weight.detach().to(torch.bfloat16)
+        self.out_features, self.in_features = w.shape
+        self.native = _native(native)
+        if self.native:
+            self.weight = w.contiguous()  # [N, K]
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.native:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        shape = x.shape
+        if x.numel() // shape[-1] > NATIVE_BF16_MAX_ROWS:
+            return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+        y = woq_native.bf16_gemm(x, self.weight, self.bias)  # [M, N] in x's dtype
+        return y.reshape(*shape[:-1], y.shape[-1])
 
 
 class Int8WeightLinear(nn.Module):
@@ -230,7 +255,7 @@ class Int4WeightLinear(nn.Module):
 
 
 class Int4HybridLinear(nn.Module):
-    """int4 for the few-token forwards of drafting, packed bf16 for prompt prefill.
+    """int4 for the few-token forwards of drafting, bf16 for prompt prefill.
 
     The int4 kernel is the fastest for one token but slows down steeply with more rows (a long
     prompt would take seconds), so prefill takes the bf16 copy: more memory, no slow prefill.
@@ -239,7 +264,7 @@ class Int4HybridLinear(nn.Module):
     def __init__(self, linear: nn.Linear, max_int4_rows: int = 8, native: bool | None = None) -> None:
         super().__init__()
         self.int4 = Int4WeightLinear(linear, native=native)
-        self.bf16 = PackedBF16Linear(linear)
+        self.bf16 = BF16Linear(linear, native=False)  # prefill only: oneDNN's packed weights are its fastest
         self.max_int4_rows = max_int4_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,7 +275,7 @@ class Int4HybridLinear(nn.Module):
 
 
 _CONSTRUCTORS = {
-    "packed-bf16": PackedBF16Linear,
+    "bf16": BF16Linear,
     "int8": Int8WeightLinear,
     "int8-dynamic": Int8DynamicLinear,
     "int4": Int4WeightLinear,
@@ -258,7 +283,7 @@ _CONSTRUCTORS = {
 }
 
 
-WEIGHT_ONLY_FORMATS: tuple[str, ...] = ("int8", "int4", "int4-hybrid")
+NATIVE_FORMATS: tuple[str, ...] = ("bf16", "int8", "int4", "int4-hybrid")
 """Formats that run on our kernels or torch's (`native`)."""
 
 
@@ -270,7 +295,7 @@ def convert_linears(model: nn.Module, fmt: LinearFormat, native: bool | None = N
     if fmt not in _CONSTRUCTORS:
         raise ValueError(f"unknown linear format {fmt!r}; choose one of {', '.join(FORMATS)}")
     make = _CONSTRUCTORS[fmt]
-    if native is not None and fmt in WEIGHT_ONLY_FORMATS:
+    if native is not None and fmt in NATIVE_FORMATS:
         make = functools.partial(make, native=native)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -281,8 +306,8 @@ def convert_linears(model: nn.Module, fmt: LinearFormat, native: bool | None = N
 
 
 def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormat:
-    """The target keeps its weights unless the user opts into quantization; on CPU in bf16 they are
-    pre-packed (same values, faster kernel)."""
+    """The target keeps its weights unless the user opts into quantization; on CPU in bf16 they run on
+    the `bf16` format (same values, faster kernels)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if device.type != "cpu":
@@ -291,7 +316,7 @@ def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.de
         return "none"
     if quantization != "none":
         return quantization  # type: ignore[return-value]
-    return "packed-bf16" if dtype == torch.bfloat16 else "none"
+    return "bf16" if dtype == torch.bfloat16 else "none"
 
 
 def draft_linear_format(quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormat:

@@ -1,13 +1,14 @@
-"""The weight-only int8 / int4 GEMM of kernels/woq_gemm.c: built on first use, called through ctypes.
+"""The GEMMs of kernels/woq_gemm.c (weight-only int8 / int4, and bf16 for a few rows): built on first use,
+called through ctypes.
 
 Why a hand-written kernel: torch's weight-only kernels read int8 weights at 18.6-20.8 GB/s and int4
 at 19.3-21.6 GB/s on this 2-core CPU for one token (`benchmarks/linear_kernels.py`), well below what
 plain decoding within 1.3x of its memory floor needs (~27 GB/s). The kernels decode 64 bytes of weights
 at a time with in-lane byte shuffles and shifts (int8 to fp32 for FMAs, int4 to bf16 for AVX512-BF16 dot
-products)
-and reuse each decoded block for every row of the input. They need a C compiler with OpenMP and an
-AVX512-BF16 CPU; elsewhere (or with SPECDECODE_NATIVE_KERNELS=0) `available()` is False and the linears
-keep torch's kernels.
+products) and reuse each decoded block for every row of the input. The bf16 kernel streams the model's
+own weights for one token at 40-50 GB/s where oneDNN's pre-packed ones read at 27-31 (more rows in
+flight). They need a C compiler with OpenMP and an AVX512-BF16 CPU; elsewhere (or with
+SPECDECODE_NATIVE_KERNELS=0) `available()` is False and the linears keep torch's kernels.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def _library() -> ctypes.CDLL | None:
     lib.woq_int8_gemm.restype = None
     lib.woq_int4_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _P, _L, _P, _I, _I]
     lib.woq_int4_gemm.restype = None
+    lib.bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
+    lib.bf16_gemm.restype = None
     return lib
 
 
@@ -60,25 +63,26 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
-def _gemm(kernel: str, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-    """Call woq_<kernel>_gemm(x, is_f32, M, K, *weights, N, y, is_f32, threads): [M, N] in x's dtype
-    (fp32, or bf16 for bf16 inputs). N is the first weight's row count."""
+def _gemm(kernel: str, x: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
+    """Call <kernel>_gemm(x, is_f32, M, K, *weights, N, y, is_f32, threads): [M, N] in x's dtype
+    (fp32, or bf16 for bf16 inputs). N is the first weight's row count; a None weight is a NULL pointer."""
     lib = _library()
     assert lib is not None
     x2 = _rows(x)
     m, k = x2.shape
+    assert weights[0] is not None
     n = weights[0].shape[0]
     y = torch.empty(m, n, dtype=x2.dtype)
     f32 = int(x2.dtype == torch.float32)
-    getattr(lib, f"woq_{kernel}_gemm")(x2.data_ptr(), f32, m, k, *(w.data_ptr() for w in weights), n, y.data_ptr(),
-                                       f32, torch.get_num_threads())
+    ptrs = (None if w is None else w.data_ptr() for w in weights)
+    getattr(lib, f"{kernel}_gemm")(x2.data_ptr(), f32, m, k, *ptrs, n, y.data_ptr(), f32, torch.get_num_threads())
     return y
 
 
 def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] (fp32/bf16) times (q [N, K] int8 * scale [N] bf16).T -> [M, N] in x's dtype."""
     assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16
-    return _gemm("int8", x, q, scale)
+    return _gemm("woq_int8", x, q, scale)
 
 
 INT4_GROUP = 128
@@ -108,4 +112,11 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
     """x [M, K] times ((128 + q) * scale + offset).T with q packed by `pack_int4`; scale, offset fp32
     [N, K / 128]."""
     assert packed.dtype == torch.uint8 and scale.dtype == offset.dtype == torch.float32
-    return _gemm("int4", x, packed, scale, offset)
+    return _gemm("woq_int4", x, packed, scale, offset)
+
+
+def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (fp32/bf16) times w.T (bf16 [N, K], contiguous) + bias (bf16 [N]) -> [M, N] in x's dtype;
+    the bias is added in fp32 before the result is rounded."""
+    assert w.dtype == torch.bfloat16 and w.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)
+    return _gemm("bf16", x, w, bias)
