@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from specdecode.model import woq_native
+from specdecode.model import native_kernels
 from specdecode.model.fast_linear import NATIVE_FORMATS, convert_linears
 from specdecode.model.load import load_model
 
@@ -41,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"| {args.model} format | kernel | ms per token |\n|---|---|---:|")
     for fmt in args.formats.split(","):
-        kernels = [True, False] if fmt in NATIVE_FORMATS and woq_native.available() else [False]
+        kernels = [True, False] if fmt in NATIVE_FORMATS and native_kernels.available() else [False]
         for native in kernels:
             model = load_model(args.model, torch.bfloat16, "cpu").model
             convert_linears(model, fmt, native=native)  # type: ignore[arg-type]

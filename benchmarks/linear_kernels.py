@@ -3,7 +3,7 @@
 Runs 24 distinct 1536 x 8960 linears (an MLP up-projection of the 1.5B target; 330M weights, far more
 than the caches hold) for a one-token input, eager and, for torch's weight-only kernels, through
 torch.compile with inductor's max-autotune C++ GEMM templates (the WOQ int8 / int4 micro-kernels); the
-weight-only formats also with our AVX512 kernels (`specdecode.model.woq_native`).
+weight-only formats also with our AVX512 kernels (`specdecode.model.native_kernels`).
 GB/s = weight bytes read / seconds: a format within 1.3x of the memory floor needs about 1/1.3 of the
 machine's read bandwidth here.
 
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from specdecode.model import woq_native
+from specdecode.model import native_kernels
 from specdecode.model.fast_linear import BF16Linear, Int4WeightLinear, Int8DynamicLinear, Int8WeightLinear
 
 K, N, LAYERS = 1536, 8960, 24
@@ -28,7 +28,7 @@ FORMATS = [  # (name, module, weight bytes per weight incl. scales, compile it t
     ("int8 weight-only, torch", lambda lin: Int8WeightLinear(lin, native=False), 1.0, True),
     ("int4 weight-only (group 32), torch", lambda lin: Int4WeightLinear(lin, native=False), 0.5 + 4 / 32, True),
 ]
-if woq_native.available():
+if native_kernels.available():
     FORMATS += [
         ("bf16, ours", lambda lin: BF16Linear(lin, native=True), 2.0, False),
         ("int8 weight-only, ours", lambda lin: Int8WeightLinear(lin, native=True), 1.0, False),

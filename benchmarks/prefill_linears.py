@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from linear_kernels import seconds_per_pass  # the timing loop of the decode-side twin of this script
 
-from specdecode.model import woq_native
+from specdecode.model import native_kernels
 from specdecode.model.fast_linear import BF16Linear, Int4WeightLinear, Int8DynamicLinear, Int8WeightLinear
 
 K, N = 1536, 8960
@@ -32,7 +32,7 @@ def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.T
     out["int8 weight-only, torch"] = i8
     # int8 values are exact in bf16: a bf16 GEMM of x and q, then the channel scales.
     out["int8 weight-only, q as bf16 + oneDNN"] = lambda x: F.linear(x, i8.weight.to(torch.bfloat16)) * i8.scales
-    if woq_native.available():
+    if native_kernels.available():
         out["int8 weight-only, ours"] = Int8WeightLinear(lin, native=True)
         out["int4 weight-only, ours"] = Int4WeightLinear(lin, native=True)
     return out

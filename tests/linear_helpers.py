@@ -1,5 +1,5 @@
 """Linears and bounds shared by the parity tests of the CPU linear formats (test_quantized_linears.py)
-and of our weight-only kernels (test_woq_native.py)."""
+and of our weight-only kernels (test_native_kernels.py)."""
 
 from __future__ import annotations
 

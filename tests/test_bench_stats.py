@@ -124,6 +124,13 @@ def test_parse_method():
     assert parse_method("eagle-chain-k5", None, heads).speculative_config == {
         "method": "eagle", "model": "e", "num_speculative_tokens": 5, "draft_tree_width": 1}
     assert parse_method("draft-tree", "d").speculative_config["draft_tree_width"] == 0
+    assert parse_method("eagle-w2-nolookup-k4", None, heads).speculative_config == {
+        "method": "eagle", "model": "e", "num_speculative_tokens": 4, "draft_tree_width": 2,
+        "draft_prompt_lookup": False}
+    from specdecode.bench.report import _family
+
+    assert _family("eagle-w2-k4", {"draft_tree_width": 2}) == "EAGLE-style head, tree of width 2"
+    assert _family("eagle", {}) == "EAGLE-style head, dynamic tree"
     with pytest.raises(ValueError, match="--head"):
         parse_method("medusa", "d", {"eagle": "e"})
     with pytest.raises(ValueError):

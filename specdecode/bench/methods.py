@@ -6,9 +6,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-_METHOD_RE = re.compile(r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree)?(-nolookup)?(?:-k(\d+))?$")
+_METHOD_RE = re.compile(r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree|-w\d+)?(-nolookup)?(?:-k(\d+))?$")
 METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
-               "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default); "
+               "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default), -wN a tree "
+               "keeping N nodes per level (e.g. eagle-w2-k4: at most 8 nodes, like the chain eagle-chain-k8); "
                "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; "
                "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4; default exact)")
 TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
@@ -52,7 +53,8 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
             raise ValueError(f"method {name!r} needs --head DIR (a trained {kind} head)")
         cfg["model"] = head
     if shape is not None:
-        cfg["draft_tree_width"] = 1 if shape == "-chain" else 0
+        widths = {"-chain": 1, "-tree": 0}
+        cfg["draft_tree_width"] = widths[shape] if shape in widths else int(shape[2:])
     if nolookup:
         cfg["draft_prompt_lookup"] = False
     return MethodSpec(name, cfg)

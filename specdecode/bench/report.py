@@ -102,7 +102,7 @@ def _family(method: str, config: dict[str, Any] | None) -> str:
     if kind in ("draft", "eagle", "medusa"):
         width = (config or {}).get("draft_tree_width")
         tree = width != 1 if kind != "draft" else width not in (None, 1)
-        name += ", dynamic tree" if tree else ", chain"
+        name += (f", tree of width {width}" if width and width > 1 else ", dynamic tree") if tree else ", chain"
     return name + (f", {quant} target" if quant else "")
 
 

@@ -1,10 +1,10 @@
 """Faster CPU execution of the Linear layers, swapped in after loading.
 
-- `bf16`: the model's own bf16 weights: our AVX512-BF16 kernel (`woq_native`) for decode and
+- `bf16`: the model's own bf16 weights: our AVX512-BF16 kernel (`native_kernels`) for decode and
   verification, where it builds, else pre-packed once into oneDNN's blocked layout (the plain bf16
   matmul re-packs on every call and runs at ~1/3 of memory bandwidth on these CPUs). Exact w.r.t.
   the bf16 model up to accumulation order.
-- `int8`: weight-only int8 with per-channel scales (our AVX512 kernel, `woq_native`, where it builds;
+- `int8`: weight-only int8 with per-channel scales (our AVX512 kernel, `native_kernels`, where it builds;
   else `torch._weight_int8pack_mm`).
 - `int8-dynamic`: int8 weights x int8 activations quantized per token at run time (FBGEMM's int8
   GEMM, VNNI): the fastest verification forward (DESIGN.md section 6).
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.model import woq_native
+from specdecode.model import native_kernels
 
 LinearFormat = Literal["none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid"]
 FORMATS: tuple[str, ...] = ("none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid")
@@ -35,9 +35,9 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4")
 
 def _native(native: bool | None) -> bool:
     """Use the AVX512 weight-only kernels: where they build and the CPU has AVX512-BF16 (None: if so)."""
-    if native and not woq_native.available():
+    if native and not native_kernels.available():
         raise ValueError("the native weight-only kernels are not available on this machine")
-    return woq_native.available() if native is None else native
+    return native_kernels.available() if native is None else native
 
 
 NATIVE_BF16_MAX_ROWS = 65
@@ -71,7 +71,7 @@ class BF16Linear(nn.Module):
         shape = x.shape
         if x.numel() // shape[-1] > NATIVE_BF16_MAX_ROWS:
             return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
-        y = woq_native.bf16_gemm(x, self.weight, self.bias)  # [M, N] in x's dtype
+        y = native_kernels.bf16_gemm(x, self.weight, self.bias)  # [M, N] in x's dtype
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -96,7 +96,7 @@ class Int8WeightLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.native:
-            y = woq_native.int8_gemm(x, self.weight, self.scales)  # [M, N], fp32 or bf16 like x
+            y = native_kernels.int8_gemm(x, self.weight, self.scales)  # [M, N], fp32 or bf16 like x
         else:
             y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.scales)
         if self.bias is not None:
@@ -189,9 +189,9 @@ class Int4WeightLinear(nn.Module):
         super().__init__()
         k = linear.in_features
         if native is None:
-            native = k % woq_native.INT4_GROUP == 0 and woq_native.available()
-        elif native and k % woq_native.INT4_GROUP:
-            raise ValueError(f"in_features {k} is not a multiple of the int4 group size {woq_native.INT4_GROUP}")
+            native = k % native_kernels.INT4_GROUP == 0 and native_kernels.available()
+        elif native and k % native_kernels.INT4_GROUP:
+            raise ValueError(f"in_features {k} is not a multiple of the int4 group size {native_kernels.INT4_GROUP}")
         self.native = _native(native)
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
         if self.native:
@@ -201,14 +201,14 @@ class Int4WeightLinear(nn.Module):
 
     def _init_native(self, w: torch.Tensor) -> None:
         n, k = w.shape
-        group = woq_native.INT4_GROUP
+        group = native_kernels.INT4_GROUP
         groups = w.reshape(n, k // group, group)
         # Scale and minimum rounded to bf16 first, so q is chosen against the numbers the kernel uses.
         low = groups.amin(-1).to(torch.bfloat16)  # [N, G]
         scale = ((groups.amax(-1) - low.float()) / 15.0).clamp(min=1e-6).to(torch.bfloat16)  # [N, G]
         q = torch.round((groups - low.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
         self.group_size = group
-        self.packed = woq_native.pack_int4(q.to(torch.uint8).reshape(n, k))  # [N, K/2]
+        self.packed = native_kernels.pack_int4(q.to(torch.uint8).reshape(n, k))  # [N, K/2]
         # fp32 (bf16 numbers): the kernel broadcasts them straight from memory. The offset's 128 * scale
         # undoes the kernel's decoding of q as the bf16 number 128 + q; exact in fp32.
         self.scale = scale.float()  # [N, G]
@@ -233,7 +233,7 @@ class Int4WeightLinear(nn.Module):
         """The weight the kernel multiplies by, in fp32: q * scale + minimum (native), or (q - 8) * scale +
         zero from torch's bf16 pairs."""
         if self.native:
-            q = woq_native.unpack_int4(self.packed)
+            q = native_kernels.unpack_int4(self.packed)
             n, k = q.shape
             q = q.reshape(n, k // self.group_size, self.group_size).float()
             return ((q + 128) * self.scale[..., None] + self.offset[..., None]).reshape(n, k)
@@ -245,7 +245,7 @@ class Int4WeightLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.native:
-            y = woq_native.int4_gemm(x, self.packed, self.scale, self.offset)  # [M, N]
+            y = native_kernels.int4_gemm(x, self.packed, self.scale, self.offset)  # [M, N]
         else:
             x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)

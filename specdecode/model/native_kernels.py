@@ -1,5 +1,5 @@
-"""The GEMMs of kernels/woq_gemm.c (weight-only int8 / int4, and bf16 for a few rows): built on first use,
-called through ctypes.
+"""The kernels of kernels/cpu_kernels.c, built on first use and called through ctypes: GEMMs for a few rows
+(weight-only int8 / int4, and bf16), and RMSNorm and attention for bf16 decode / verification forwards.
 
 Why a hand-written kernel: torch's weight-only kernels read int8 weights at 18.6-20.8 GB/s and int4
 at 19.3-21.6 GB/s on this 2-core CPU for one token (`benchmarks/linear_kernels.py`), well below what
@@ -8,7 +8,10 @@ at a time with in-lane byte shuffles and shifts (int8 to fp32 for FMAs, int4 to 
 products) and reuse each decoded block for every row of the input. The bf16 kernel streams the model's
 own weights for one token at 40-50 GB/s where oneDNN's pre-packed ones read at 27-31 (more rows in
 flight). They need a C compiler with OpenMP and an AVX512-BF16 CPU; elsewhere (or with
-SPECDECODE_NATIVE_KERNELS=0) `available()` is False and the linears keep torch's kernels.
+SPECDECODE_NATIVE_KERNELS=0) `available()` is False and the model keeps torch's kernels.
+
+RMSNorm and attention of a few queries are a handful of small torch ops each (~12 ms a token of the
+1.5B target on 2 cores, outside its linears); here each is one call doing the same arithmetic in fp32.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels") / "woq_gemm.c"
+SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.c"
 FLAGS = ["-O3", "-fopenmp"]
 """No -march=native: the AVX512 functions carry their own target attribute, and the library checks the CPU."""
 
@@ -35,9 +38,9 @@ def _library() -> ctypes.CDLL | None:
     from specdecode.native_build import BuildError, build_shared
 
     try:
-        path = build_shared(SOURCE.read_text(), "woq-gemm", FLAGS)
+        path = build_shared(SOURCE.read_text(), "cpu-kernels", FLAGS)
     except BuildError as exc:
-        warnings.warn(f"weight-only int8/int4 kernels not built, using torch's: {exc}", stacklevel=3)
+        warnings.warn(f"native CPU kernels not built, using torch's: {exc}", stacklevel=3)
         return None
     lib = ctypes.CDLL(str(path))  # libgomp.so.1 resolves to the copy torch already loaded: one thread pool
     if not lib.woq_cpu_supported():
@@ -48,6 +51,10 @@ def _library() -> ctypes.CDLL | None:
     lib.woq_int4_gemm.restype = None
     lib.bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
     lib.bf16_gemm.restype = None
+    lib.rms_norm_bf16.argtypes = [_P, _P, ctypes.c_float, _L, _L, _P]
+    lib.rms_norm_bf16.restype = None
+    lib.attend_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P, _I]
+    lib.attend_bf16.restype = None
     return lib
 
 
@@ -120,3 +127,42 @@ def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     the bias is added in fp32 before the result is rounded."""
     assert w.dtype == torch.bfloat16 and w.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)
     return _gemm("bf16", x, w, bias)
+
+
+def glue_applies(x: torch.Tensor) -> bool:
+    """Whether the RMSNorm / attention kernels take this bf16 CPU inference tensor (never under autograd:
+    a head in training keeps torch's ops)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * bf16(x * rsqrt(mean(x^2) + eps)) over the last dim; x, weight bf16."""
+    lib = _library()
+    assert lib is not None and weight.dtype == torch.bfloat16
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty_like(x2)
+    w = weight.contiguous()
+    lib.rms_norm_bf16(x2.data_ptr(), w.data_ptr(), eps, x2.shape[0], x2.shape[1], y.data_ptr())
+    return y.view(x.shape)
+
+
+def attend(
+    q: torch.Tensor,  # [B, H, T, hd] bf16, roped
+    keys: torch.Tensor,  # [B, KVH, S, hd] bf16 view of the cache (rows of hd contiguous)
+    values: torch.Tensor,  # [B, KVH, S, hd], same strides as keys
+    mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = attend; None = every slot
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention for a few queries, fp32 inside: [B, T, H * hd] bf16 (o_proj's input layout)."""
+    lib = _library()
+    assert lib is not None
+    b, h, t, hd = q.shape
+    kvh, s = keys.shape[1], keys.shape[2]
+    assert hd % 16 == 0 and hd <= 256 and keys.stride()[2:] == (hd, 1) and keys.stride() == values.stride()
+    qc = q.contiguous()
+    m = None if mask is None else mask.expand(b, 1, t, s).contiguous()
+    out = torch.empty(b, t, h * hd, dtype=torch.bfloat16)
+    lib.attend_bf16(qc.data_ptr(), keys.data_ptr(), values.data_ptr(), None if m is None else m.data_ptr(),
+                    b, h, kvh, t, s, hd, keys.stride(0), keys.stride(1), scale, out.data_ptr(),
+                    torch.get_num_threads())
+    return out

@@ -1,4 +1,4 @@
-"""The AVX512 kernels (specdecode.model.woq_native: weight-only int8 / int4, and bf16) and their use by the
+"""The AVX512 kernels (specdecode.model.native_kernels: weight-only int8 / int4, and bf16) and their use by the
 linears.
 
 Parity with the dequantized weights uses the bounds of test_quantized_linears, for our kernel and for
@@ -12,19 +12,19 @@ import pytest
 import torch
 from linear_helpers import BF16_HALF_ULP, FP32_ULP, bf16_linear, check_bound, inputs
 
-from specdecode.model import woq_native
+from specdecode.model import native_kernels
 from specdecode.model.fast_linear import NATIVE_BF16_MAX_ROWS, BF16Linear, Int4WeightLinear, Int8WeightLinear
 
-needs_native = pytest.mark.skipif(not woq_native.available(), reason="no AVX512-BF16 CPU or no C compiler")
+needs_native = pytest.mark.skipif(not native_kernels.available(), reason="no AVX512-BF16 CPU or no C compiler")
 KERNELS = [pytest.param(True, id="native", marks=needs_native), pytest.param(False, id="torch")]
 CLASSES = {"int8": Int8WeightLinear, "int4": Int4WeightLinear, "bf16": BF16Linear}
 
 
 def test_pack_int4_layout() -> None:
     q = (torch.arange(256) * 7 % 16).to(torch.uint8).reshape(1, 256)  # two groups of 128
-    packed = woq_native.pack_int4(q)
+    packed = native_kernels.pack_int4(q)
     assert packed.shape == (1, 128)
-    assert torch.equal(woq_native.unpack_int4(packed), q)
+    assert torch.equal(native_kernels.unpack_int4(packed), q)
     for group in range(2):
         for i in range(32):
             word = int(packed[0, group * 64 + 2 * i]) | int(packed[0, group * 64 + 2 * i + 1]) << 8
@@ -111,14 +111,14 @@ def test_int4_kernel_needs_whole_groups_of_128() -> None:
 
 def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDECODE_NATIVE_KERNELS", "0")
-    woq_native._library.cache_clear()
+    native_kernels._library.cache_clear()
     try:
-        assert not woq_native.available()
+        assert not native_kernels.available()
         assert not Int8WeightLinear(bf16_linear(16, 64, seed=1)).native
         with pytest.raises(ValueError, match="not available"):
             Int4WeightLinear(bf16_linear(16, 128, seed=1), native=True)
     finally:
-        woq_native._library.cache_clear()
+        native_kernels._library.cache_clear()
 
 
 def test_convert_linears_picks_the_kernels() -> None:
@@ -130,3 +130,99 @@ def test_convert_linears_picks_the_kernels() -> None:
     model = torch.nn.Sequential(bf16_linear(16, 128, seed=1))
     convert_linears(model, "int8", native=False)
     assert not model[0].native
+
+
+# ---- RMSNorm and attention for a few rows -------------------------------------------------------
+
+
+@needs_native
+@pytest.mark.parametrize("dim", [1536, 200])
+def test_rms_norm_kernel_matches_torch(dim: int) -> None:
+    """Inference in bf16 takes the kernel; under autograd the module keeps torch's ops. Same roundings in
+    the same order, the sum of squares aside: at most one bf16 step apart, nearly always equal."""
+    from specdecode.model.transformer import RMSNorm
+
+    g = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(dim, 1e-6).bfloat16()
+    norm.weight.data = (torch.rand(dim, generator=g) + 0.5).bfloat16()
+    x = (torch.randn(7, dim, generator=g) * 3).bfloat16()
+    x[:, 5] *= 50  # an outlier channel, as real activations have
+    with torch.inference_mode():
+        fast = norm(x)
+    with torch.enable_grad():
+        ref = norm(x).detach()
+    assert fast.dtype == ref.dtype == torch.bfloat16 and fast.shape == ref.shape
+    close = (fast.float() - ref.float()).abs() <= 2**-7 * ref.float().abs()
+    assert bool(close.all()) and (fast == ref).float().mean() > 0.99
+    with torch.inference_mode():  # each row alone gives the same row
+        assert torch.equal(norm(x[3:4]), fast[3:4])
+
+
+def _attention_inputs(t: int, s: int, tree: bool) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(10 * t + s)
+    h, kvh, hd, max_len = 12, 2, 128, 64
+    kc = torch.randn(1, kvh, max_len, hd, generator=g).bfloat16()  # a cache: views of its first s slots
+    vc = torch.randn(1, kvh, max_len, hd, generator=g).bfloat16()
+    q = (torch.randn(1, h, t, hd, generator=g) * 2).bfloat16()
+    mask = torch.arange(s).view(1, s) <= torch.arange(s - t, s).view(t, 1)  # causal over the last t slots
+    if tree:  # node i sees the prefix and its ancestors: here its parent chain skips every other node
+        mask[:, s - t :] &= (torch.arange(t).view(1, t) % 2 == torch.arange(t).view(t, 1) % 2)
+    return q, kc, vc, mask.view(1, 1, t, s)
+
+
+@needs_native
+@pytest.mark.parametrize("t,tree", [(1, False), (5, False), (6, True)])
+def test_attention_kernel_matches_torch(t: int, tree: bool) -> None:
+    from specdecode.model.transformer import small_attention
+
+    s = 45
+    q, kc, vc, mask = _attention_inputs(t, s, tree)
+    keys, values = kc[:, :, :s], vc[:, :, :s]
+    m = None if t == 1 else mask
+    with torch.inference_mode():
+        fast = native_kernels.attend(q, keys, values, m, 128**-0.5)  # [1, t, H * hd]
+    ref = small_attention(q, keys, values, m).transpose(1, 2).reshape(1, t, -1)
+    assert fast.shape == ref.shape and fast.dtype == torch.bfloat16
+    # fp32 inside, one bf16 rounding at the end: a step of bf16 at most (sums in another order).
+    assert bool(((fast.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-6).all())
+
+
+@needs_native
+def test_attention_rows_equal_single_queries() -> None:
+    """A verification row equals the single query at its own cache length, bit for bit: masked slots
+    add exact zeros, so the longer cache of a verification forward changes nothing."""
+    s, t = 45, 5
+    q, kc, vc, mask = _attention_inputs(t, s, tree=False)
+    with torch.inference_mode():
+        rows = native_kernels.attend(q, kc[:, :, :s], vc[:, :, :s], mask, 128**-0.5)
+        for i in range(t):
+            n = s - t + i + 1
+            single = native_kernels.attend(q[:, :, i : i + 1], kc[:, :, :n], vc[:, :, :n], None, 128**-0.5)
+            assert torch.equal(single[0, 0], rows[0, i])
+
+
+@needs_native
+def test_bf16_verification_rows_equal_single_token_forwards(tiny_qwen_dir) -> None:  # noqa: ANN001 - a Path
+    """With the native linears, norms and attention, a bf16 target's verification forward of k tokens
+    gives, bit for bit, the hidden states of k single-token forwards: greedy speculative decoding of a
+    bf16 target then reproduces plain decoding exactly, not only up to rounding."""
+    from specdecode.model.fast_linear import convert_linears
+    from specdecode.model.load import load_model
+
+    model = load_model(tiny_qwen_dir, "bf16", "cpu").model
+    convert_linears(model, "bf16")
+    ids = torch.tensor([[7, 30, 12, 99, 5, 41, 8, 77, 13, 60, 21, 3, 88, 17, 45, 9]])
+    ctx, k = 10, 6
+    with torch.inference_mode():
+        hidden = []
+        for step in (k, 1):  # one forward of k rows, then k forwards of one row
+            cache = model.new_cache(1, 32)
+            model(ids[:, :ctx], torch.arange(ctx)[None], cache)
+            cache.set_length(0, ctx)
+            rows = []
+            for start in range(ctx, ctx + k, step):
+                pos = torch.arange(start, start + step)[None]
+                rows.append(model(ids[:, start : start + step], pos, cache)[0])
+                cache.set_length(0, start + step)
+            hidden.append(torch.cat(rows))
+    assert torch.equal(hidden[0], hidden[1])

@@ -14,6 +14,7 @@
 //       sum x * w over a group is computed as scale * (sum x * (128 + q)) + offset * sum x.
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -377,4 +378,127 @@ TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const u
             bf16_block_many(xb, M, K, w, bias, b * nr, N, y, y_is_f32);
     }
     free(copy);
+}
+
+// ---- per-layer glue for a few rows -------------------------------------------------------------------
+// RMSNorm and attention of decode / verification forwards: in torch each is a handful of small ops
+// (~40 us a norm, ~70 us a layer's attention on 2 cores) where the arithmetic is a few microseconds.
+// Every row is computed on its own, so a row's result does not depend on the other rows.
+
+ALWAYS_INLINE __m512 bf16x16_to_f32(__m256i v) {  // 16 bf16 numbers -> fp32 (exact)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+ALWAYS_INLINE __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {
+    return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
+}
+
+ALWAYS_INLINE __m512 round_bf16x16(__m512 v) {  // fp32 -> nearest bf16 (ties to even) -> fp32
+    return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v));
+}
+
+static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
+
+// y = weight * bf16(x * rsqrt(mean(x^2) + eps)) per row, x / weight / y bf16 [M, D]: the reference
+// implementation's order of roundings (fp32 statistics, the normalized row rounded to bf16, then the
+// bf16 product with the weight).
+TARGET void rms_norm_bf16(const uint16_t* x, const uint16_t* w, float eps, int64_t M, int64_t D, uint16_t* y) {
+#pragma omp parallel for schedule(static) if (M > 16)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t* xm = x + m * D;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k < D; k += 16) {
+            const __m512 v = load_bf16x16(xm + k, tail16(D - k));
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)D + eps);
+        const __m512 rv = _mm512_set1_ps(r);
+        for (int64_t k = 0; k < D; k += 16) {
+            const __mmask16 mk = tail16(D - k);
+            const __m512 normed = round_bf16x16(_mm512_mul_ps(load_bf16x16(xm + k, mk), rv));
+            const __m512 out = _mm512_mul_ps(normed, load_bf16x16(w + k, mk));
+            _mm256_mask_storeu_epi16(y + m * D + k, mk, (__m256i)_mm512_cvtneps_pbh(out));
+        }
+    }
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum), ~1 ulp: 2^n * e^r with |r| <= ln2 / 2 and a
+// degree-6 polynomial; -inf (masked) gives 0.
+ALWAYS_INLINE __m512 exp_nonpositive(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts (Cody-Waite)
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512 e = _mm512_scalef_ps(p, n);
+    return _mm512_maskz_mov_ps(~tiny, e);
+}
+
+// Attention of a few queries against the cache, in fp32 like torch's small-query path:
+// q [B, H, T, hd] bf16 (contiguous, roped); k, v: cache rows of layer l, element (b, kvh, s, d) at
+// b * bs + kvh * hs + s * hd + d; mask [B, T, S] (1 = attend) or NULL = every slot < S; out [B, T, H * hd]
+// bf16. Head h reads KV head h / (H / KVH). scores = q.k * scale, softmax over s, probabilities @ v.
+// hd must be a multiple of 16 and at most 256; scratch holds S floats per thread.
+TARGET void attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t B,
+                        int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t hd, int64_t bs, int64_t hs,
+                        float scale, uint16_t* out, int threads) {
+    const int64_t groups = H / KVH;
+#pragma omp parallel num_threads(threads)
+    {
+        float* p = (float*)malloc((size_t)S * sizeof(float));
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++) {
+                const uint16_t* kb = k + b * bs + (h / groups) * hs;
+                const uint16_t* vb = v + b * bs + (h / groups) * hs;
+                for (int64_t t = 0; t < T; t++) {
+                    const uint16_t* qr = q + ((b * H + h) * T + t) * hd;
+                    const uint8_t* mr = mask ? mask + (b * T + t) * S : NULL;
+                    __m512 qv[16];
+                    for (int64_t d = 0; d < hd; d += 16) qv[d / 16] = load_bf16x16(qr + d, 0xFFFF);
+                    float mx = -INFINITY;
+                    for (int64_t s = 0; s < S; s++) {
+                        if (mr && !mr[s]) {
+                            p[s] = -INFINITY;
+                            continue;
+                        }
+                        __m512 acc = _mm512_setzero_ps();
+                        for (int64_t d = 0; d < hd; d += 16)
+                            acc = _mm512_fmadd_ps(qv[d / 16], load_bf16x16(kb + s * hd + d, 0xFFFF), acc);
+                        p[s] = _mm512_reduce_add_ps(acc) * scale;
+                        mx = p[s] > mx ? p[s] : mx;
+                    }
+                    __m512 sum = _mm512_setzero_ps();
+                    const __m512 mxv = _mm512_set1_ps(mx);
+                    for (int64_t s = 0; s < S; s += 16) {
+                        const __mmask16 ms = tail16(S - s);
+                        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(ms, p + s), mxv));
+                        _mm512_mask_storeu_ps(p + s, ms, e);
+                        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(ms, e));
+                    }
+                    const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+                    __m512 o[16];
+                    for (int64_t d = 0; d < hd; d += 16) o[d / 16] = _mm512_setzero_ps();
+                    for (int64_t s = 0; s < S; s++) {
+                        if (p[s] == 0.0f) continue;  // masked (or underflowed): adds nothing
+                        const __m512 ps = _mm512_set1_ps(p[s] * inv);
+                        for (int64_t d = 0; d < hd; d += 16)
+                            o[d / 16] = _mm512_fmadd_ps(ps, load_bf16x16(vb + s * hd + d, 0xFFFF), o[d / 16]);
+                    }
+                    uint16_t* orow = out + (b * T + t) * H * hd + h * hd;
+                    for (int64_t d = 0; d < hd; d += 16)
+                        _mm256_storeu_si256((__m256i*)(orow + d), (__m256i)_mm512_cvtneps_pbh(o[d / 16]));
+                }
+            }
+        free(p);
+    }
 }
