@@ -1,5 +1,5 @@
 """Milliseconds of one single-token decode step (forward + logits + argmax) of a model per linear format,
-with our weight-only kernels and with torch's: what a draft model's step costs.
+with our kernels and with torch's (oneDNN for bf16, FBGEMM for int8-dynamic).
 
     python benchmarks/decode_step.py [--model qwen2.5-coder-0.5b-instruct] [--formats int4-hybrid,int8]
 """
@@ -45,7 +45,8 @@ def main() -> None:
         for native in kernels:
             model = load_model(args.model, torch.bfloat16, "cpu").model
             convert_linears(model, fmt, native=native)  # type: ignore[arg-type]
-            kernel = ("ours" if native else ("oneDNN" if fmt == "bf16" else "torch")) if fmt in NATIVE_FORMATS else "–"
+            theirs = {"bf16": "oneDNN", "int8-dynamic": "FBGEMM"}.get(fmt, "torch")
+            kernel = ("ours" if native else theirs) if fmt in NATIVE_FORMATS else "–"
             print(f"| {fmt} | {kernel} | {step_ms(model):.1f} |", flush=True)
             del model
 

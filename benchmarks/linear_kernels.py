@@ -24,13 +24,14 @@ from specdecode.model.fast_linear import BF16Linear, Int4WeightLinear, Int8Dynam
 K, N, LAYERS = 1536, 8960, 24
 FORMATS = [  # (name, module, weight bytes per weight incl. scales, compile it too)
     ("bf16 (oneDNN, packed)", lambda lin: BF16Linear(lin, native=False), 2.0, False),
-    ("int8-dynamic", Int8DynamicLinear, 1.0, False),
+    ("int8-dynamic, FBGEMM", lambda lin: Int8DynamicLinear(lin, native=False), 1.0, False),
     ("int8 weight-only, torch", lambda lin: Int8WeightLinear(lin, native=False), 1.0, True),
     ("int4 weight-only (group 32), torch", lambda lin: Int4WeightLinear(lin, native=False), 0.5 + 4 / 32, True),
 ]
 if native_kernels.available():
     FORMATS += [
         ("bf16, ours", lambda lin: BF16Linear(lin, native=True), 2.0, False),
+        ("int8-dynamic, ours", lambda lin: Int8DynamicLinear(lin, native=True), 1.0, False),
         ("int8 weight-only, ours", lambda lin: Int8WeightLinear(lin, native=True), 1.0, False),
         ("int4 weight-only (group 128), ours", lambda lin: Int4WeightLinear(lin, native=True), 0.5 + 8 / 128, False),
     ]

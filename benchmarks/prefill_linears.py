@@ -26,13 +26,16 @@ K, N = 1536, 8960
 def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "bf16 packed (oneDNN)": BF16Linear(lin, native=False),
-        "int8-dynamic (FBGEMM)": Int8DynamicLinear(lin),
+        "int8-dynamic (FBGEMM)": Int8DynamicLinear(lin, native=False),
     }
     i8 = Int8WeightLinear(lin, native=False)
     out["int8 weight-only, torch"] = i8
     # int8 values are exact in bf16: a bf16 GEMM of x and q, then the channel scales.
     out["int8 weight-only, q as bf16 + oneDNN"] = lambda x: F.linear(x, i8.weight.to(torch.bfloat16)) * i8.scales
     if native_kernels.available():
+        out["int8-dynamic, ours"] = Int8DynamicLinear(lin, native=True)
+        w = lin.weight.detach().bfloat16()
+        out["bf16, ours (the decode kernel; used up to 65 rows)"] = lambda x: native_kernels.bf16_gemm(x, w)
         out["int8 weight-only, ours"] = Int8WeightLinear(lin, native=True)
         out["int4 weight-only, ours"] = Int4WeightLinear(lin, native=True)
     return out

@@ -226,3 +226,19 @@ def test_bf16_verification_rows_equal_single_token_forwards(tiny_qwen_dir) -> No
                 cache.set_length(0, start + step)
             hidden.append(torch.cat(rows))
     assert torch.equal(hidden[0], hidden[1])
+
+
+@needs_native
+def test_attention_of_a_tree_node_equals_its_path_laid_out_in_a_row() -> None:
+    """A tree node sees its ancestors at scattered slots; after acceptance, plain decoding would see the
+    same keys at consecutive slots. The kernel attends over the seen slots only, in slot order, so both
+    give the same bits (the verified path then matches plain decoding exactly)."""
+    s, t = 45, 6
+    q, kc, vc, mask = _attention_inputs(t, s, tree=True)  # node i sees nodes j <= i with j = i (mod 2)
+    with torch.inference_mode():
+        rows = native_kernels.attend(q, kc[:, :, :s], vc[:, :, :s], mask, 128**-0.5)
+        for i in range(t):
+            seen = mask[0, 0, i].nonzero().flatten()
+            k_row, v_row = kc[:, :, seen].contiguous(), vc[:, :, seen].contiguous()  # the path, consecutive
+            single = native_kernels.attend(q[:, :, i : i + 1], k_row, v_row, None, 128**-0.5)
+            assert torch.equal(single[0, 0], rows[0, i])

@@ -22,6 +22,7 @@ from torch import nn
 from specdecode import LLM, SamplingParams
 from specdecode.cli import build_parser
 from specdecode.config import DRAFT_QUANTIZATIONS, SpeculativeConfig
+from specdecode.model import native_kernels
 from specdecode.model.fast_linear import (
     FORMATS,
     QUANTIZATIONS,
@@ -91,15 +92,23 @@ def test_parity_with_dequantized_weights_bf16(fmt: str, shape: tuple[int, int], 
             check_bound(y, x.double(), lin.weight.detach(), b, BF16_HALF_ULP)
 
 
+INT8_DYNAMIC_KERNELS = [
+    pytest.param(True, id="native", marks=pytest.mark.skipif(not native_kernels.available(),
+                                                             reason="no AVX512-BF16/VNNI CPU or no C compiler")),
+    pytest.param(False, id="fbgemm"),
+]
+
+
+@pytest.mark.parametrize("native", INT8_DYNAMIC_KERNELS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("rows", TOKENS)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_int8_dynamic_parity_fp32(shape: tuple[int, int], rows: int, bias: bool) -> None:
+def test_int8_dynamic_parity_fp32(shape: tuple[int, int], rows: int, bias: bool, native: bool) -> None:
     """fp32 model: exact integer dot products (|sum| <= 127 * 127 * K < 2^24: exact in fp32 too), then
     times the weight scale, times the token scale, plus the bias: at most four fp32 roundings, so no
     accumulation slack and 4 ulps (2^-21 relative) of the magnitudes involved."""
     lin = bf16_linear(*shape, seed=rows, bias=bias)
-    module = convert(lin, "int8-dynamic")
+    module = Int8DynamicLinear(lin, native=native)
     assert isinstance(module, Int8DynamicLinear)
     assert 127 * 127 * shape[1] < 2**24
     x = inputs(rows, shape[1], seed=100 + rows)
@@ -114,13 +123,14 @@ def test_int8_dynamic_parity_fp32(shape: tuple[int, int], rows: int, bias: bool)
         check_bound(y, x.double(), w, b, 4 * FP32_ULP, accumulation=False)  # unquantized activations
 
 
+@pytest.mark.parametrize("native", INT8_DYNAMIC_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_int8_dynamic_rows_are_independent(dtype: torch.dtype) -> None:
+def test_int8_dynamic_rows_are_independent(dtype: torch.dtype, native: bool) -> None:
     """Per-token scales and exact integer accumulation: a row's output is the same, bit for bit, alone
     or among other rows (what verifying k tokens against k single-token forwards needs). torch's
     `linear_dynamic` (one scale for the whole input) would fail this: a large row coarsens the others."""
     lin = bf16_linear(512, 256, seed=7)
-    module = convert(lin, "int8-dynamic")
+    module = Int8DynamicLinear(lin, native=native)
     x = inputs(16, 256, seed=8)
     x[5] *= 50  # one token with much larger activations
     x = x.to(dtype)
@@ -135,8 +145,11 @@ def test_int8_dynamic_bytes_counted() -> None:
     from specdecode.bench.bandwidth import weight_bytes_per_token
 
     model = nn.Sequential(nn.Linear(64, 32, bias=False))
-    convert_linears(model, "int8-dynamic")
+    convert_linears(model, "int8-dynamic", native=False)
     assert weight_bytes_per_token(model)["bytes"] == 64 * 32 + 32 * 4  # FBGEMM's int8 weights + fp32 scales
+    if native_kernels.available():
+        convert_linears(model := nn.Sequential(nn.Linear(64, 32, bias=False)), "int8-dynamic", native=True)
+        assert weight_bytes_per_token(model)["bytes"] == 64 * 32 + 32 * 4 + 32 * 4  # + int32 weight sums
 
 
 def test_quantization_choices_agree() -> None:

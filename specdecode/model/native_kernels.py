@@ -43,7 +43,7 @@ def _library() -> ctypes.CDLL | None:
         warnings.warn(f"native CPU kernels not built, using torch's: {exc}", stacklevel=3)
         return None
     lib = ctypes.CDLL(str(path))  # libgomp.so.1 resolves to the copy torch already loaded: one thread pool
-    if not lib.woq_cpu_supported():
+    if not lib.cpu_supported():
         return None
     lib.woq_int8_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
     lib.woq_int8_gemm.restype = None
@@ -51,6 +51,8 @@ def _library() -> ctypes.CDLL | None:
     lib.woq_int4_gemm.restype = None
     lib.bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
     lib.bf16_gemm.restype = None
+    lib.int8_dynamic_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _P, _P, ctypes.c_float, _L, _P, _I, _I]
+    lib.int8_dynamic_gemm.restype = None
     lib.rms_norm_bf16.argtypes = [_P, _P, ctypes.c_float, _L, _L, _P]
     lib.rms_norm_bf16.restype = None
     lib.attend_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P, _I]
@@ -120,6 +122,24 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
     [N, K / 128]."""
     assert packed.dtype == torch.uint8 and scale.dtype == offset.dtype == torch.float32
     return _gemm("woq_int4", x, packed, scale, offset)
+
+
+def int8_dynamic_gemm(x: torch.Tensor, q: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None, qmax: float) -> torch.Tensor:
+    """x [M, K] (fp32/bf16), each row quantized to integers round(x / s), s = max|x| / qmax, times q [N, K]
+    int8 (wsum = q.sum(1) int32): float(exact integer dot) * scale [N] fp32 * s (+ bias fp32) -> [M, N]."""
+    assert q.dtype == torch.int8 and wsum.dtype == torch.int32 and scale.dtype == torch.float32
+    assert bias is None or bias.dtype == torch.float32
+    lib = _library()
+    assert lib is not None
+    x2 = _rows(x)
+    m, k = x2.shape
+    y = torch.empty(m, q.shape[0], dtype=x2.dtype)
+    f32 = int(x2.dtype == torch.float32)
+    lib.int8_dynamic_gemm(x2.data_ptr(), f32, m, k, q.data_ptr(), wsum.data_ptr(), scale.data_ptr(),
+                          None if bias is None else bias.data_ptr(), qmax, q.shape[0], y.data_ptr(), f32,
+                          torch.get_num_threads())
+    return y
 
 
 def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

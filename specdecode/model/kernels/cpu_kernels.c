@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -34,10 +34,11 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even (no NaN 
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-int woq_cpu_supported(void) {
+int cpu_supported(void) {  // every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4) has VNNI too
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("avx512vnni");
 }
 
 // x as bf16 [M, K]: the input itself (bf16) or a rounded copy (fp32); NULL if the copy is not needed.
@@ -64,12 +65,8 @@ static inline void store(void* y, int y_is_f32, int64_t idx, float v) {
 // Lane i of vector j holds weight 4i + j of the chunk, so x is permuted to match once per call; the
 // 2^-24 is folded into the channel's scale.
 
-// Output channels per block. One token streams 16 rows at once: more rows in flight keep more cache misses
-// outstanding (bf16: 40-50 GB/s instead of ~30; int8: ~5% faster; int4, bound by its decoding, keeps 4).
-#define NR_ONE 16
-#define NR_MANY 4  // several tokens: each block is reused from L1 for every pair of rows
-#define NR_MAX 16
-#define MB8 2  // activation rows per pass over a block (2 x 4 inputs + 4 x 2 accumulators + decoded weights)
+#define NR8 4  // output channels per block
+#define MB8 2  // activation rows per pass over a block (4 x 4 decoded vectors + 2 x 4 accumulators + x)
 
 // Software prefetch of the next block of rows into L2 while this one is computed: on these 2-core Zen 4
 // VMs it takes the int8 kernel from ~21 to ~33 GB/s for rows of 1536 (L1 prefetches: no gain; none: 16).
@@ -87,11 +84,10 @@ static inline int64_t prefetch_row(int64_t n0, int64_t rows_per_block, int64_t N
     return row + rows_per_block <= N ? row : n0;
 }
 
-// One pass over NR output channels for MB rows of x (permuted fp32 [M, Kp]); NR and MB are constants after
-// inlining. `next` is the first row of the following block: it is prefetched while this block is computed.
-// Each row's 64 weights are decoded and used at once, so only 4 decoded vectors are live.
-ALWAYS_INLINE void int8_pass(const int NR, const int MB, const float* xp, int64_t Kp, int64_t K,
-                             const int8_t* const* rows, const int8_t* next, float* out) {
+// One pass over NR8 output channels for MB rows of x (permuted fp32 [M, Kp]); MB is a constant after inlining.
+// `next` is the first row of the following block: it is prefetched while this block is computed.
+ALWAYS_INLINE void int8_pass(const int MB, const float* xp, int64_t Kp, int64_t K, const int8_t* const* rows,
+                             const int8_t* next, float* out) {
     // vpshufb controls: byte j of each 32-bit lane to its top byte, zeros below (0x80 clears a byte); the
     // indices count bytes within each 128-bit lane, so dword d takes byte 4d + j.
     __m512i to_top[3];
@@ -102,66 +98,57 @@ ALWAYS_INLINE void int8_pass(const int NR, const int MB, const float* xp, int64_
                                                          (int)(0x04808080u + ((unsigned)j << 24)),
                                                          (int)(0x00808080u + ((unsigned)j << 24))));
     const __m512i top = _mm512_set1_epi32((int)0xFF000000u);
-    __m512 acc[NR_MAX][MB8];
-#pragma GCC unroll 16
-    for (int r = 0; r < NR; r++)
+    __m512 acc[NR8][MB8];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR8; r++)
 #pragma GCC unroll 4
         for (int i = 0; i < MB; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < Kp; k += 64) {
         const __mmask64 mask = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
-        __m512 xv[MB8][4];
+        __m512 wv[NR8][4];
 #pragma GCC unroll 4
-        for (int i = 0; i < MB; i++)
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) xv[i][j] = _mm512_loadu_ps(xp + i * Kp + k + 16 * j);
-#pragma GCC unroll 16
-        for (int r = 0; r < NR; r++) {
+        for (int r = 0; r < NR8; r++) {
             _mm_prefetch((const char*)(next + r * K + k), PF_HINT);
             const __m512i v = _mm512_maskz_loadu_epi8(mask, rows[r] + k);
-            __m512 wv[4];
 #pragma GCC unroll 3
-            for (int j = 0; j < 3; j++) wv[j] = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, to_top[j]));
-            wv[3] = _mm512_cvtepi32_ps(_mm512_and_si512(v, top));
+            for (int j = 0; j < 3; j++) wv[r][j] = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, to_top[j]));
+            wv[r][3] = _mm512_cvtepi32_ps(_mm512_and_si512(v, top));
+        }
 #pragma GCC unroll 4
-            for (int i = 0; i < MB; i++)
+        for (int i = 0; i < MB; i++) {
+            const float* xi = xp + i * Kp + k;
 #pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) acc[r][i] = _mm512_fmadd_ps(wv[j], xv[i][j], acc[r][i]);
+            for (int j = 0; j < 4; j++) {
+                const __m512 xv = _mm512_loadu_ps(xi + 16 * j);
+#pragma GCC unroll 4
+                for (int r = 0; r < NR8; r++) acc[r][i] = _mm512_fmadd_ps(wv[r][j], xv, acc[r][i]);
+            }
         }
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
-        for (int i = 0; i < MB; i++) out[i * NR + r] = _mm512_reduce_add_ps(acc[r][i]);
+    for (int r = 0; r < NR8; r++)
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) out[i * NR8 + r] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-ALWAYS_INLINE void int8_block(const int NR, const float* xp, int64_t M, int64_t Kp, int64_t K, const int8_t* w,
+TARGET static void int8_block(const float* xp, int64_t M, int64_t Kp, int64_t K, const int8_t* w,
                               const uint16_t* scale, int64_t n0, int64_t N, void* y, int y_is_f32) {
-    const int8_t* rows[NR_MAX];
-    for (int r = 0; r < NR; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last row
-    const int8_t* next = w + prefetch_row(n0, NR, N, K) * K;
-    float out[MB8 * NR_MAX];
+    const int8_t* rows[NR8];
+    for (int r = 0; r < NR8; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last row
+    const int8_t* next = w + prefetch_row(n0, NR8, N, K) * K;
+    float out[MB8 * NR8];
     for (int64_t m0 = 0; m0 < M; m0 += MB8) {
         const int mb = M - m0 < MB8 ? (int)(M - m0) : MB8;
         const float* xm = xp + m0 * Kp;
         if (mb == 1)  // constant row counts: the accumulators stay in registers
-            int8_pass(NR, 1, xm, Kp, K, rows, next, out);
+            int8_pass(1, xm, Kp, K, rows, next, out);
         else
-            int8_pass(NR, 2, xm, Kp, K, rows, next, out);
-        for (int r = 0; r < NR && n0 + r < N; r++) {
+            int8_pass(2, xm, Kp, K, rows, next, out);
+        for (int r = 0; r < NR8 && n0 + r < N; r++) {
             const float s = bf16_to_f32(scale[n0 + r]) * 0x1p-24f;  // exact: a power of two
-            for (int i = 0; i < mb; i++) store(y, y_is_f32, (m0 + i) * N + n0 + r, s * out[i * NR + r]);
+            for (int i = 0; i < mb; i++) store(y, y_is_f32, (m0 + i) * N + n0 + r, s * out[i * NR8 + r]);
         }
     }
-}
-
-TARGET static void int8_block_one(const float* xp, int64_t Kp, int64_t K, const int8_t* w, const uint16_t* scale,
-                                  int64_t n0, int64_t N, void* y, int y_is_f32) {
-    int8_block(NR_ONE, xp, 1, Kp, K, w, scale, n0, N, y, y_is_f32);
-}
-
-TARGET static void int8_block_many(const float* xp, int64_t M, int64_t Kp, int64_t K, const int8_t* w,
-                                   const uint16_t* scale, int64_t n0, int64_t N, void* y, int y_is_f32) {
-    int8_block(NR_MANY, xp, M, Kp, K, w, scale, n0, N, y, y_is_f32);
 }
 
 TARGET void woq_int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const int8_t* w, const uint16_t* scale,
@@ -177,15 +164,9 @@ TARGET void woq_int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
                                      : bf16_to_f32(((const uint16_t*)x)[m * K + k]);
             xp[m * Kp + c + j * 16 + i] = v;
         }
-    const int64_t nr = M == 1 ? NR_ONE : NR_MANY;
-    const int64_t blocks = (N + nr - 1) / nr;
+    const int64_t blocks = (N + NR8 - 1) / NR8;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        if (M == 1)
-            int8_block_one(xp, Kp, K, w, scale, b * nr, N, y, y_is_f32);
-        else
-            int8_block_many(xp, M, Kp, K, w, scale, b * nr, N, y, y_is_f32);
-    }
+    for (int64_t b = 0; b < blocks; b++) int8_block(xp, M, Kp, K, w, scale, b * NR8, N, y, y_is_f32);
     free(xp);
 }
 
@@ -300,6 +281,12 @@ TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 // Several tokens take 4 rows x 4 tokens per pass (about oneDNN's speed at 3-9 tokens).
 // Every output element is one accumulation chain over k in the same order whatever the block shape.
 
+// Output channels per block. One token streams 16 rows at once: more rows in flight keep more cache misses
+// outstanding (bf16: 40-50 GB/s instead of ~30). Several tokens take 4 rows, reused from L1 for every
+// group of 4 tokens. (The int8 / int4 weight-only kernels above are bound by their decoding and keep 4.)
+#define NR_ONE 16
+#define NR_MANY 4
+#define NR_MAX 16
 #define MBB_MAX 4
 
 ALWAYS_INLINE void bf16_pass(const int NR, const int MB, const uint16_t* xb, int64_t K, const uint16_t* const* rows,
@@ -380,6 +367,117 @@ TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const u
     free(copy);
 }
 
+// ---- int8 x int8 (int8-dynamic) ------------------------------------------------------------------
+// int8 weights q [N, K] (row-major) with an fp32 scale per output channel, times activations quantized
+// per row here: scale = max|x| / qmax, u = round(x / scale) + 128 as unsigned bytes. vpdpbusd sums 64
+// u8 x s8 products per instruction into int32 (exact); subtracting 128 * sum(q[n]) gives the integer
+// dot product of the signed values, exact. y = float(dot) * wscale[n] * xscale (+ bias), the order of
+// the torch path this replaces. Rows are quantized and computed on their own.
+
+ALWAYS_INLINE void i8_pass(const int NR, const int MB, const uint8_t* xu, int64_t Kp, int64_t K,
+                           const int8_t* const* rows, const int8_t* next, int32_t* out) {
+    __m512i acc[NR_MAX][MBB_MAX];
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) acc[r][i] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 64) {
+        const __mmask64 mask = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+        __m512i xv[MBB_MAX];
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) xv[i] = _mm512_loadu_si512(xu + i * Kp + k);
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; r++) {
+            _mm_prefetch((const char*)(next + r * K + k), PF_HINT);
+            const __m512i wv = _mm512_maskz_loadu_epi8(mask, rows[r] + k);  // zeros past K: no products
+#pragma GCC unroll 4
+            for (int i = 0; i < MB; i++) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], xv[i], wv);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) out[i * NR + r] = _mm512_reduce_add_epi32(acc[r][i]);
+}
+
+ALWAYS_INLINE void i8_block(const int NR, const uint8_t* xu, const float* xscale, int64_t M, int64_t Kp, int64_t K,
+                            const int8_t* w, const int32_t* wsum, const float* wscale, const float* bias,
+                            int64_t n0, int64_t N, void* y, int y_is_f32) {
+    const int8_t* rows[NR_MAX];
+    for (int r = 0; r < NR; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last row
+    const int8_t* next = w + prefetch_row(n0, NR, N, K) * K;
+    int32_t out[MBB_MAX * NR_MAX] = {0};
+    for (int64_t m0 = 0; m0 < M; m0 += MBB_MAX) {
+        const int mb = M - m0 < MBB_MAX ? (int)(M - m0) : MBB_MAX;
+        const uint8_t* xm = xu + m0 * Kp;
+        switch (mb) {  // constant row counts: the accumulators stay in registers
+            case 1: i8_pass(NR, 1, xm, Kp, K, rows, next, out); break;
+            case 2: i8_pass(NR, 2, xm, Kp, K, rows, next, out); break;
+            case 3: i8_pass(NR, 3, xm, Kp, K, rows, next, out); break;
+            default: i8_pass(NR, 4, xm, Kp, K, rows, next, out); break;
+        }
+        for (int r = 0; r < NR && n0 + r < N; r++) {
+            const int64_t n = n0 + r;
+            for (int i = 0; i < mb; i++) {
+                const float v = (float)(out[i * NR + r] - 128 * wsum[n]) * wscale[n] * xscale[m0 + i];
+                store(y, y_is_f32, (m0 + i) * N + n, bias ? bias[n] + v : v);
+            }
+        }
+    }
+}
+
+TARGET static void i8_block_one(const uint8_t* xu, const float* xscale, int64_t Kp, int64_t K, const int8_t* w,
+                                const int32_t* wsum, const float* wscale, const float* bias, int64_t n0, int64_t N,
+                                void* y, int y_is_f32) {
+    i8_block(NR_ONE, xu, xscale, 1, Kp, K, w, wsum, wscale, bias, n0, N, y, y_is_f32);
+}
+
+TARGET static void i8_block_many(const uint8_t* xu, const float* xscale, int64_t M, int64_t Kp, int64_t K,
+                                 const int8_t* w, const int32_t* wsum, const float* wscale, const float* bias,
+                                 int64_t n0, int64_t N, void* y, int y_is_f32) {
+    i8_block(NR_MANY, xu, xscale, M, Kp, K, w, wsum, wscale, bias, n0, N, y, y_is_f32);
+}
+
+// Per-row quantization of x (fp32 or bf16 [M, K]) to u8 [M, Kp] (zero-padded) and scales [M].
+TARGET static void quantize_rows(const void* x, int x_is_f32, int64_t M, int64_t K, int64_t Kp, float qmax,
+                                 uint8_t* xu, float* xscale) {
+#pragma omp parallel for schedule(static) if (M > 16)
+    for (int64_t m = 0; m < M; m++) {
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            const float v = x_is_f32 ? ((const float*)x)[m * K + k] : bf16_to_f32(((const uint16_t*)x)[m * K + k]);
+            amax = fabsf(v) > amax ? fabsf(v) : amax;
+        }
+        const float scale = (amax > 1e-30f ? amax : 1e-30f) / qmax;
+        xscale[m] = scale;
+        for (int64_t k = 0; k < K; k++) {
+            const float v = x_is_f32 ? ((const float*)x)[m * K + k] : bf16_to_f32(((const uint16_t*)x)[m * K + k]);
+            xu[m * Kp + k] = (uint8_t)((int)nearbyintf(v / scale) + 128);  // ties to even, as torch.round
+        }
+        memset(xu + m * Kp + K, 0, (size_t)(Kp - K));
+    }
+}
+
+TARGET void int8_dynamic_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const int8_t* w, const int32_t* wsum,
+                              const float* wscale, const float* bias, float qmax, int64_t N, void* y, int y_is_f32,
+                              int threads) {
+    const int64_t Kp = (K + 63) / 64 * 64;
+    uint8_t* xu = (uint8_t*)malloc((size_t)(M * Kp));
+    float* xscale = (float*)malloc((size_t)M * sizeof(float));
+    quantize_rows(x, x_is_f32, M, K, Kp, qmax, xu, xscale);
+    const int64_t nr = M == 1 ? NR_ONE : NR_MANY;
+    const int64_t blocks = (N + nr - 1) / nr;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        if (M == 1)
+            i8_block_one(xu, xscale, Kp, K, w, wsum, wscale, bias, b * nr, N, y, y_is_f32);
+        else
+            i8_block_many(xu, xscale, M, Kp, K, w, wsum, wscale, bias, b * nr, N, y, y_is_f32);
+    }
+    free(xscale);
+    free(xu);
+}
+
 // ---- per-layer glue for a few rows -------------------------------------------------------------------
 // RMSNorm and attention of decode / verification forwards: in torch each is a handful of small ops
 // (~40 us a norm, ~70 us a layer's attention on 2 cores) where the arithmetic is a few microseconds.
@@ -447,14 +545,18 @@ ALWAYS_INLINE __m512 exp_nonpositive(__m512 x) {
 // q [B, H, T, hd] bf16 (contiguous, roped); k, v: cache rows of layer l, element (b, kvh, s, d) at
 // b * bs + kvh * hs + s * hd + d; mask [B, T, S] (1 = attend) or NULL = every slot < S; out [B, T, H * hd]
 // bf16. Head h reads KV head h / (H / KVH). scores = q.k * scale, softmax over s, probabilities @ v.
-// hd must be a multiple of 16 and at most 256; scratch holds S floats per thread.
+// The slots a query sees are gathered first and everything after runs over that dense list in slot
+// order: the result depends only on the keys and values seen, not on where masked slots sit (a tree
+// node sees its ancestors at scattered slots; plain decoding sees the same tokens at consecutive ones).
+// hd must be a multiple of 16 and at most 256.
 TARGET void attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t B,
                         int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t hd, int64_t bs, int64_t hs,
                         float scale, uint16_t* out, int threads) {
     const int64_t groups = H / KVH;
 #pragma omp parallel num_threads(threads)
     {
-        float* p = (float*)malloc((size_t)S * sizeof(float));
+        float* p = (float*)malloc((size_t)S * sizeof(float));  // scores, then probabilities, of seen slots
+        int64_t* seen = (int64_t*)malloc((size_t)S * sizeof(int64_t));
 #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < H; h++) {
@@ -465,40 +567,40 @@ TARGET void attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                     const uint8_t* mr = mask ? mask + (b * T + t) * S : NULL;
                     __m512 qv[16];
                     for (int64_t d = 0; d < hd; d += 16) qv[d / 16] = load_bf16x16(qr + d, 0xFFFF);
+                    int64_t n = 0;
                     float mx = -INFINITY;
                     for (int64_t s = 0; s < S; s++) {
-                        if (mr && !mr[s]) {
-                            p[s] = -INFINITY;
-                            continue;
-                        }
+                        if (mr && !mr[s]) continue;
                         __m512 acc = _mm512_setzero_ps();
                         for (int64_t d = 0; d < hd; d += 16)
                             acc = _mm512_fmadd_ps(qv[d / 16], load_bf16x16(kb + s * hd + d, 0xFFFF), acc);
-                        p[s] = _mm512_reduce_add_ps(acc) * scale;
-                        mx = p[s] > mx ? p[s] : mx;
+                        p[n] = _mm512_reduce_add_ps(acc) * scale;
+                        mx = p[n] > mx ? p[n] : mx;
+                        seen[n++] = s;
                     }
                     __m512 sum = _mm512_setzero_ps();
                     const __m512 mxv = _mm512_set1_ps(mx);
-                    for (int64_t s = 0; s < S; s += 16) {
-                        const __mmask16 ms = tail16(S - s);
-                        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(ms, p + s), mxv));
-                        _mm512_mask_storeu_ps(p + s, ms, e);
-                        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(ms, e));
+                    for (int64_t i = 0; i < n; i += 16) {
+                        const __mmask16 mi = tail16(n - i);
+                        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mi, p + i), mxv));
+                        _mm512_mask_storeu_ps(p + i, mi, e);
+                        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mi, e));
                     }
                     const float inv = 1.0f / _mm512_reduce_add_ps(sum);
                     __m512 o[16];
                     for (int64_t d = 0; d < hd; d += 16) o[d / 16] = _mm512_setzero_ps();
-                    for (int64_t s = 0; s < S; s++) {
-                        if (p[s] == 0.0f) continue;  // masked (or underflowed): adds nothing
-                        const __m512 ps = _mm512_set1_ps(p[s] * inv);
+                    for (int64_t i = 0; i < n; i++) {
+                        const __m512 ps = _mm512_set1_ps(p[i] * inv);
+                        const uint16_t* vs = vb + seen[i] * hd;
                         for (int64_t d = 0; d < hd; d += 16)
-                            o[d / 16] = _mm512_fmadd_ps(ps, load_bf16x16(vb + s * hd + d, 0xFFFF), o[d / 16]);
+                            o[d / 16] = _mm512_fmadd_ps(ps, load_bf16x16(vs + d, 0xFFFF), o[d / 16]);
                     }
                     uint16_t* orow = out + (b * T + t) * H * hd + h * hd;
                     for (int64_t d = 0; d < hd; d += 16)
                         _mm256_storeu_si256((__m256i*)(orow + d), (__m256i)_mm512_cvtneps_pbh(o[d / 16]));
                 }
             }
+        free(seen);
         free(p);
     }
 }
