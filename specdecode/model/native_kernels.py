@@ -72,8 +72,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
-def _gemm(kernel: str, x: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
-    """Call <kernel>_gemm(x, is_f32, M, K, *weights, N, y, is_f32, threads): [M, N] in x's dtype
+def _gemm(kernel: str, x: torch.Tensor, *weights: torch.Tensor | None, scalars: tuple[float, ...] = ()) -> torch.Tensor:
+    """Call <kernel>_gemm(x, is_f32, M, K, *weights, *scalars, N, y, is_f32, threads): [M, N] in x's dtype
     (fp32, or bf16 for bf16 inputs). N is the first weight's row count; a None weight is a NULL pointer."""
     lib = _library()
     assert lib is not None
@@ -84,7 +84,8 @@ def _gemm(kernel: str, x: torch.Tensor, *weights: torch.Tensor | None) -> torch.
     y = torch.empty(m, n, dtype=x2.dtype)
     f32 = int(x2.dtype == torch.float32)
     ptrs = (None if w is None else w.data_ptr() for w in weights)
-    getattr(lib, f"{kernel}_gemm")(x2.data_ptr(), f32, m, k, *ptrs, n, y.data_ptr(), f32, torch.get_num_threads())
+    getattr(lib, f"{kernel}_gemm")(x2.data_ptr(), f32, m, k, *ptrs, *scalars, n, y.data_ptr(), f32,
+                                   torch.get_num_threads())
     return y
 
 
@@ -130,16 +131,7 @@ def int8_dynamic_gemm(x: torch.Tensor, q: torch.Tensor, wsum: torch.Tensor, scal
     int8 (wsum = q.sum(1) int32): float(exact integer dot) * scale [N] fp32 * s (+ bias fp32) -> [M, N]."""
     assert q.dtype == torch.int8 and wsum.dtype == torch.int32 and scale.dtype == torch.float32
     assert bias is None or bias.dtype == torch.float32
-    lib = _library()
-    assert lib is not None
-    x2 = _rows(x)
-    m, k = x2.shape
-    y = torch.empty(m, q.shape[0], dtype=x2.dtype)
-    f32 = int(x2.dtype == torch.float32)
-    lib.int8_dynamic_gemm(x2.data_ptr(), f32, m, k, q.data_ptr(), wsum.data_ptr(), scale.data_ptr(),
-                          None if bias is None else bias.data_ptr(), qmax, q.shape[0], y.data_ptr(), f32,
-                          torch.get_num_threads())
-    return y
+    return _gemm("int8_dynamic", x, q, wsum, scale, bias, scalars=(qmax,))
 
 
 def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -276,14 +276,13 @@ TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 // ---- bf16 ------------------------------------------------------------------------------------------
 // The model's own bf16 weights [N, K] (row-major, torch's layout) for the exact target's decode and
 // verification forwards: 32 products per vdpbf16ps (a product of two bf16 numbers is exact in fp32), the
-// same prefetch as above, nothing to decode. One token streams 16 rows at once: measured 40-50 GB/s
-// against oneDNN's 27-31 for its pre-packed weights (more rows in flight keep more misses outstanding).
-// Several tokens take 4 rows x 4 tokens per pass (about oneDNN's speed at 3-9 tokens).
-// Every output element is one accumulation chain over k in the same order whatever the block shape.
+// same prefetch as above, nothing to decode. Every output element is one accumulation chain over k in the
+// same order whatever the block shape.
 
-// Output channels per block. One token streams 16 rows at once: more rows in flight keep more cache misses
-// outstanding (bf16: 40-50 GB/s instead of ~30). Several tokens take 4 rows, reused from L1 for every
-// group of 4 tokens. (The int8 / int4 weight-only kernels above are bound by their decoding and keep 4.)
+// Output channels per block (bf16 and int8 x int8 below). One token streams 16 rows at once: more rows in
+// flight keep more cache misses outstanding (bf16: 40-50 GB/s against oneDNN's 27-31 for its pre-packed
+// weights). Several tokens take 4 rows x 4 tokens per pass, the rows reused from L1 (about oneDNN's speed
+// at 3-9 tokens). The weight-only kernels above are bound by decoding their weights and keep 4 rows.
 #define NR_ONE 16
 #define NR_MANY 4
 #define NR_MAX 16
