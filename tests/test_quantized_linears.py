@@ -148,7 +148,8 @@ def test_int8_dynamic_bytes_counted() -> None:
     convert_linears(model, "int8-dynamic", native=False)
     assert weight_bytes_per_token(model)["bytes"] == 64 * 32 + 32 * 4  # FBGEMM's int8 weights + fp32 scales
     if native_kernels.available():
-        convert_linears(model := nn.Sequential(nn.Linear(64, 32, bias=False)), "int8-dynamic", native=True)
+        model = nn.Sequential(nn.Linear(64, 32, bias=False))
+        convert_linears(model, "int8-dynamic", native=True)
         assert weight_bytes_per_token(model)["bytes"] == 64 * 32 + 32 * 4 + 32 * 4  # + int32 weight sums
 
 

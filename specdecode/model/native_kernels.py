@@ -147,6 +147,13 @@ def glue_applies(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
 
 
+def attend_applies(q: torch.Tensor) -> bool:
+    """Whether `attend` takes these queries [B, H, T, hd]: `glue_applies`, and a head size the kernel's
+    registers hold (a multiple of 16, at most 256)."""
+    hd = q.shape[-1]
+    return hd % 16 == 0 and hd <= 256 and glue_applies(q)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * bf16(x * rsqrt(mean(x^2) + eps)) over the last dim; x, weight bf16."""
     lib = _library()

@@ -158,7 +158,7 @@ class Attention(nn.Module):
         else:
             cache.write(self.layer_idx, slots, k, v)
             keys, values = cache.read(self.layer_idx, kv_len)  # [B, kvh, S, hd]
-        if t <= SMALL_ATTENTION_TOKENS and self.hd % 16 == 0 and self.hd <= 256 and native_kernels.glue_applies(q):
+        if t <= SMALL_ATTENTION_TOKENS and native_kernels.attend_applies(q):
             return self.o_proj(native_kernels.attend(q, keys, values, mask, self.hd**-0.5))
         if t <= SMALL_ATTENTION_TOKENS:
             out = small_attention(q, keys, values, mask)
