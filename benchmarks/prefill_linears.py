@@ -34,8 +34,8 @@ def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.T
     out["int8 weight-only, q as bf16 + oneDNN"] = lambda x: F.linear(x, i8.weight.to(torch.bfloat16)) * i8.scales
     if native_kernels.available():
         out["int8-dynamic, ours"] = Int8DynamicLinear(lin, native=True)
-        w = lin.weight.detach().bfloat16()
-        out["bf16, ours (the decode kernel; used up to 65 rows)"] = lambda x: native_kernels.bf16_gemm(x, w)
+        tiles, n = native_kernels.tile_rows(lin.weight.detach().bfloat16()), lin.out_features
+        out["bf16, ours (the decode kernel; used up to 65 rows)"] = lambda x: native_kernels.bf16_gemm(x, tiles, n)
         out["int8 weight-only, ours"] = Int8WeightLinear(lin, native=True)
         out["int4 weight-only, ours"] = Int4WeightLinear(lin, native=True)
     return out

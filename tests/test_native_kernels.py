@@ -32,6 +32,23 @@ def test_pack_int4_layout() -> None:
                 assert (word >> 4 * nibble) & 0xF == int(q[0, group * 128 + i + 32 * nibble])
 
 
+def test_tile_rows_layout() -> None:
+    """Blocks of 16 rows, 64-byte chunks, chunk c of a block's rows together; zero padding; exact inverse."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (20, 70), generator=g, dtype=torch.int8)  # 2 blocks (of 16), 2 chunks (of 64)
+    tiles = native_kernels.tile_rows(w)
+    assert tiles.shape == (2, 2, 16, 64) and tiles.dtype == torch.uint8
+    for n in (0, 15, 16, 19):
+        for k in (0, 63, 64, 69):
+            assert int(tiles[n // 16, k // 64, n % 16, k % 64].view(torch.int8)) == int(w[n, k])
+    assert not tiles[1, :, 4:].any() and not tiles[:, 1, :, 6:].any()  # padding rows and bytes are zero
+    assert torch.equal(native_kernels.untile_rows(tiles, 20, 70, torch.int8), w)
+    wb = torch.randn(37, 200, generator=g).bfloat16()  # 2 bytes a weight: 400 bytes a row, 7 chunks
+    tiles = native_kernels.tile_rows(wb)
+    assert tiles.shape == (3, 7, 16, 64)
+    assert torch.equal(native_kernels.untile_rows(tiles, 37, 200, torch.bfloat16), wb)
+
+
 @pytest.mark.parametrize("native", KERNELS)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, 9])

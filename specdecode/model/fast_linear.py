@@ -60,18 +60,22 @@ class BF16Linear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.native = _native(native)
         if self.native:
-            self.weight = w.contiguous()  # [N, K]
+            self.tiles = native_kernels.tile_rows(w)  # [N / 16, K / 32, 16, 64] bytes
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+
+    def weight(self) -> torch.Tensor:
+        """The weights as a new [N, K] bf16 tensor (native only)."""
+        return native_kernels.untile_rows(self.tiles, self.out_features, self.in_features, torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.native:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         shape = x.shape
-        if x.numel() // shape[-1] > NATIVE_BF16_MAX_ROWS:
-            return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
-        y = native_kernels.bf16_gemm(x, self.weight, self.bias)  # [M, N] in x's dtype
+        if x.numel() // shape[-1] > NATIVE_BF16_MAX_ROWS:  # prefill: arithmetic far outweighs the untiling
+            return F.linear(x.to(torch.bfloat16), self.weight(), self.bias).to(x.dtype)
+        y = native_kernels.bf16_gemm(x, self.tiles, self.out_features, self.bias)  # [M, N] in x's dtype
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -159,7 +163,7 @@ class Int8DynamicLinear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.native = _native(native)
         if self.native:
-            self.weight = q.contiguous()  # [N, K]
+            self.tiles = native_kernels.tile_rows(q)  # [N / 16, K / 64, 16, 64]
             self.weight_sums = q.sum(dim=1, dtype=torch.int32)  # [N]: undoes the kernel's +128 on activations
             self.qmax = 127  # VNNI multiplies u8 x s8 into int32 exactly
         else:
@@ -171,7 +175,8 @@ class Int8DynamicLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         if self.native:
-            return self.weight.float() * self.scales[:, None]
+            q = native_kernels.untile_rows(self.tiles, self.out_features, self.in_features, torch.int8)
+            return q.float() * self.scales[:, None]
         q = torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()  # a copy, rebuilt from the packed form
         return q.float() * self.scales[:, None]
 
@@ -183,7 +188,8 @@ class Int8DynamicLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.native:
-            y = native_kernels.int8_dynamic_gemm(x, self.weight, self.weight_sums, self.scales, self.bias, self.qmax)
+            y = native_kernels.int8_dynamic_gemm(x, self.tiles, self.out_features, self.weight_sums, self.scales,
+                                                 self.bias, self.qmax)  # [M, N]
             return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
         xq, scale = self.quantize_activations(x.reshape(-1, shape[-1]).float())
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(xq, 1.0, self.qmax + 1, self.packed)

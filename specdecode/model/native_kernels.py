@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import warnings
 from pathlib import Path
@@ -72,15 +73,17 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
-def _gemm(kernel: str, x: torch.Tensor, *weights: torch.Tensor | None, scalars: tuple[float, ...] = ()) -> torch.Tensor:
+def _gemm(kernel: str, x: torch.Tensor, *weights: torch.Tensor | None, scalars: tuple[float, ...] = (),
+          n: int | None = None) -> torch.Tensor:
     """Call <kernel>_gemm(x, is_f32, M, K, *weights, *scalars, N, y, is_f32, threads): [M, N] in x's dtype
-    (fp32, or bf16 for bf16 inputs). N is the first weight's row count; a None weight is a NULL pointer."""
+    (fp32, or bf16 for bf16 inputs). N is `n`, else the first weight's row count; a None weight is a NULL
+    pointer."""
     lib = _library()
     assert lib is not None
     x2 = _rows(x)
     m, k = x2.shape
     assert weights[0] is not None
-    n = weights[0].shape[0]
+    n = weights[0].shape[0] if n is None else n
     y = torch.empty(m, n, dtype=x2.dtype)
     f32 = int(x2.dtype == torch.float32)
     ptrs = (None if w is None else w.data_ptr() for w in weights)
@@ -125,20 +128,69 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
     return _gemm("woq_int4", x, packed, scale, offset)
 
 
-def int8_dynamic_gemm(x: torch.Tensor, q: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
+TILE_ROWS, CHUNK_BYTES = 16, 64
+"""The tiled layout of the bf16 and int8 x int8 kernels' weights (see `tile_rows`)."""
+
+_HUGE_PAGE = 2 << 20
+
+
+def _huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """An uninitialized uint8 tensor of `nbytes`, in memory advised for transparent huge pages when large:
+    weights streamed every token then cost fewer TLB misses (a few % of read speed here)."""
+    if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    offset = -address % _HUGE_PAGE  # start on a huge-page boundary
+    buf.madvise(mmap.MADV_HUGEPAGE, offset, nbytes - nbytes % _HUGE_PAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)  # keeps `buf` alive
+
+
+def tile_rows(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (any dtype) as the kernels' tiles: uint8 [ceil(N / 16), C, 16, 64], C = ceil(K bytes / 64).
+
+    Rows in blocks of 16, each row cut into 64-byte chunks, chunk c of a block's 16 rows stored together,
+    zero-padded: a one-token pass over a block reads memory as one sequential stream."""
+    n = w.shape[0]
+    rows = w.contiguous().view(torch.uint8).reshape(n, -1)  # [N, K bytes]
+    blocks, chunks = -(-n // TILE_ROWS), -(-rows.shape[1] // CHUNK_BYTES)
+    padded = torch.nn.functional.pad(rows, (0, chunks * CHUNK_BYTES - rows.shape[1], 0, blocks * TILE_ROWS - n))
+    tiles = _huge_page_bytes(blocks * chunks * TILE_ROWS * CHUNK_BYTES).view(blocks, chunks, TILE_ROWS, CHUNK_BYTES)
+    tiles.copy_(padded.view(blocks, TILE_ROWS, chunks, CHUNK_BYTES).transpose(1, 2))
+    return tiles
+
+
+def untile_rows(tiles: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `tile_rows`: a new [n, k] tensor of `dtype`."""
+    blocks, chunks = tiles.shape[:2]
+    rows = tiles.transpose(1, 2).reshape(blocks * TILE_ROWS, chunks * CHUNK_BYTES)[:n]
+    width = k * torch.empty((), dtype=dtype).element_size()
+    return rows[:, :width].contiguous().view(dtype)
+
+
+def int8_dynamic_gemm(x: torch.Tensor, tiles: torch.Tensor, n: int, wsum: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None, qmax: float) -> torch.Tensor:
-    """x [M, K] (fp32/bf16), each row quantized to integers round(x / s), s = max|x| / qmax, times q [N, K]
-    int8 (wsum = q.sum(1) int32): float(exact integer dot) * scale [N] fp32 * s (+ bias fp32) -> [M, N]."""
-    assert q.dtype == torch.int8 and wsum.dtype == torch.int32 and scale.dtype == torch.float32
+    """x [M, K] (fp32/bf16), each row quantized to integers round(x / s), s = max|x| / qmax, times q [n, K]
+    int8 (as `tile_rows(q)`; wsum = q.sum(1) int32): float(exact integer dot) * scale [n] fp32 * s (+ bias
+    fp32) -> [M, n]."""
+    assert tiles.dtype == torch.uint8 and wsum.dtype == torch.int32 and scale.dtype == torch.float32
     assert bias is None or bias.dtype == torch.float32
-    return _gemm("int8_dynamic", x, q, wsum, scale, bias, scalars=(qmax,))
+    _check_tiles(tiles, n, x.shape[-1])
+    return _gemm("int8_dynamic", x, tiles, wsum, scale, bias, scalars=(qmax,), n=n)
 
 
-def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (fp32/bf16) times w.T (bf16 [N, K], contiguous) + bias (bf16 [N]) -> [M, N] in x's dtype;
-    the bias is added in fp32 before the result is rounded."""
-    assert w.dtype == torch.bfloat16 and w.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)
-    return _gemm("bf16", x, w, bias)
+def bf16_gemm(x: torch.Tensor, tiles: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (fp32/bf16) times w.T (bf16 [n, K], as `tile_rows(w)`) + bias (bf16 [n]) -> [M, n] in x's
+    dtype; the bias is added in fp32 before the result is rounded."""
+    assert tiles.dtype == torch.uint8 and (bias is None or bias.dtype == torch.bfloat16)
+    _check_tiles(tiles, n, 2 * x.shape[-1])
+    return _gemm("bf16", x, tiles, bias, n=n)
+
+
+def _check_tiles(tiles: torch.Tensor, n: int, row_bytes: int) -> None:
+    # The kernel trusts these sizes: a mismatch would read past the tiles.
+    assert tiles.is_contiguous() and tiles.shape[2:] == (TILE_ROWS, CHUNK_BYTES)
+    assert tiles.shape[0] == -(-n // TILE_ROWS) and tiles.shape[1] == -(-row_bytes // CHUNK_BYTES)
 
 
 def glue_applies(x: torch.Tensor) -> bool:
