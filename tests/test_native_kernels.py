@@ -175,6 +175,51 @@ def test_rms_norm_kernel_matches_torch(dim: int) -> None:
         assert torch.equal(norm(x[3:4]), fast[3:4])
 
 
+@needs_native
+def test_rope_and_cache_write_kernel_gives_torchs_bits() -> None:
+    """The fused rope + cache write: the queries and the cached keys and values of the torch path, bit for
+    bit, at scattered slots of a 2-row batch (a tree's verification writes such slots)."""
+    from specdecode.model.config import ModelConfig
+    from specdecode.model.kv_cache import KVCache
+    from specdecode.model.transformer import apply_rope, rope_tables
+
+    g = torch.Generator().manual_seed(3)
+    b, t, h, kvh, hd, max_len = 2, 3, 4, 2, 64, 40
+    cfg = ModelConfig(arch="qwen2", vocab_size=10, hidden_size=h * hd, intermediate_size=8, num_layers=1,
+                      num_heads=h, num_kv_heads=kvh, head_dim=hd, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      max_position_embeddings=max_len, attention_bias=True, tie_word_embeddings=False)
+    cos_t, sin_t = rope_tables(cfg, max_len, "cpu")
+    positions = torch.tensor([[7, 8, 8], [20, 21, 22]])
+    slots = torch.tensor([[30, 31, 33], [2, 3, 4]])
+    cos = cos_t[positions].bfloat16().unsqueeze(1)  # [B, 1, T, hd]
+    sin = sin_t[positions].bfloat16().unsqueeze(1)
+    qkv = (torch.randn(b, t, (h + 2 * kvh) * hd, generator=g) * 3).bfloat16()
+    fast, ref = KVCache(1, b, kvh, max_len, hd, torch.bfloat16), KVCache(1, b, kvh, max_len, hd, torch.bfloat16)
+    q = native_kernels.rope_qkv(qkv, cos, sin, slots, 34, *fast.layer(0), heads=h)
+    q_ref, k_ref, v_ref = qkv.split([h * hd, kvh * hd, kvh * hd], dim=-1)
+    q_ref = apply_rope(q_ref.reshape(b, t, h, hd).transpose(1, 2), cos, sin)
+    k_ref = apply_rope(k_ref.reshape(b, t, kvh, hd).transpose(1, 2), cos, sin)
+    ref.write(0, slots, k_ref, v_ref.reshape(b, t, kvh, hd).transpose(1, 2))
+    assert torch.equal(q, q_ref)
+    assert torch.equal(fast.k, ref.k) and torch.equal(fast.v, ref.v)
+
+
+@needs_native
+def test_silu_mul_kernel_matches_torch() -> None:
+    """silu(gate) * up in bf16: equal to torch's bits nearly everywhere (its exp may differ in the last fp32
+    bit), never more than one bf16 step apart; rows are computed on their own."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(9, 2 * 200, generator=g) * 4).bfloat16()  # 200: not a multiple of 16 lanes
+    x[0, :200] = torch.linspace(-100, 100, 200).bfloat16()  # saturating tails of the sigmoid
+    fast = native_kernels.silu_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert fast.shape == ref.shape and fast.dtype == torch.bfloat16
+    assert bool(((fast.float() - ref.float()).abs() <= 2**-7 * ref.float().abs()).all())
+    assert (fast == ref).float().mean() > 0.999
+    assert torch.equal(native_kernels.silu_mul(x[4:5]), fast[4:5])
+
+
 def _attention_inputs(t: int, s: int, tree: bool) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(10 * t + s)
     h, kvh, hd, max_len = 12, 2, 128, 64

@@ -74,6 +74,10 @@ class KVCache:
         self.k[layer].transpose(1, 2)[rows, index] = k.transpose(1, 2)
         self.v[layer].transpose(1, 2)[rows, index] = v.transpose(1, 2)
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every slot of `layer`: [B, kvh, S, hd] views, for kernels that write in place."""
+        return self.k[layer], self.v[layer]
+
     def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of slots [0, kv_len): [B, kvh, kv_len, hd] views."""
         return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]

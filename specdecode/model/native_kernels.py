@@ -58,6 +58,10 @@ def _library() -> ctypes.CDLL | None:
     lib.rms_norm_bf16.restype = None
     lib.attend_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P, _I]
     lib.attend_bf16.restype = None
+    lib.rope_qkv_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _P, _L, _L]
+    lib.rope_qkv_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [_P, _L, _L, _P]
+    lib.silu_mul_bf16.restype = None
     return lib
 
 
@@ -199,11 +203,10 @@ def glue_applies(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
 
 
-def attend_applies(q: torch.Tensor) -> bool:
-    """Whether `attend` takes these queries [B, H, T, hd]: `glue_applies`, and a head size the kernel's
-    registers hold (a multiple of 16, at most 256)."""
-    hd = q.shape[-1]
-    return hd % 16 == 0 and hd <= 256 and glue_applies(q)
+def attend_applies(x: torch.Tensor, hd: int) -> bool:
+    """Whether `attend` takes the queries of x (a layer's input or its queries): `glue_applies`, and a head
+    size hd the kernel's registers hold (a multiple of 16, at most 256)."""
+    return hd % 16 == 0 and hd <= 256 and glue_applies(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -237,3 +240,40 @@ def attend(
                     b, h, kvh, t, s, hd, keys.stride(0), keys.stride(1), scale, out.data_ptr(),
                     torch.get_num_threads())
     return out
+
+
+def rope_qkv(
+    qkv: torch.Tensor,  # [B, T, (H + 2 * KVH) * hd] bf16: the fused projection's output
+    cos: torch.Tensor,  # [B, 1, T, hd] bf16 (`transformer.attention_inputs`)
+    sin: torch.Tensor,  # [B, 1, T, hd] bf16, sign-folded
+    slots: torch.Tensor,  # [B, T] cache slots
+    slots_end: int,  # 1 + the highest slot
+    k_cache: torch.Tensor,  # [B, KVH, S, hd] bf16: one layer of the cache, written in place
+    v_cache: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """Rope q and k as `transformer.apply_rope` does (same bits), store k and v at their slots: the roped
+    queries [B, H, T, hd]. One call instead of ~20 small torch ops a layer."""
+    lib = _library()
+    assert lib is not None
+    b, t, width = qkv.shape
+    kvh, hd = k_cache.shape[1], k_cache.shape[3]
+    assert width == (heads + 2 * kvh) * hd and k_cache.stride() == v_cache.stride() and k_cache.stride()[2:] == (hd, 1)
+    assert slots_end <= k_cache.shape[2]  # the kernel writes where it is told
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    index = slots.to(torch.int64).contiguous()
+    q = torch.empty(b, heads, t, hd, dtype=torch.bfloat16)
+    lib.rope_qkv_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), index.data_ptr(), b, t, heads, kvh, hd,
+                      q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1))
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up in bf16 for gate_up [..., 2 * I] bf16 (gate first) -> [..., I]."""
+    lib = _library()
+    assert lib is not None and gate_up.dtype == torch.bfloat16
+    x = gate_up.contiguous()
+    i = x.shape[-1] // 2
+    y = torch.empty(*x.shape[:-1], i, dtype=torch.bfloat16)
+    lib.silu_mul_bf16(x.data_ptr(), x.numel() // (2 * i), i, y.data_ptr())
+    return y

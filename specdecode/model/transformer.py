@@ -148,6 +148,14 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
     ) -> torch.Tensor:
         b, t, _ = x.shape
+        fused = native_kernels.attend_applies(x, self.hd) and t <= SMALL_ATTENTION_TOKENS
+        if fused and cache is not None and self.qkv_proj is not None and cache.k.dtype == torch.bfloat16:
+            # Decode / verification: rope, cache write and attention in two native calls.
+            k_layer, v_layer = cache.layer(self.layer_idx)
+            q = native_kernels.rope_qkv(self.qkv_proj(x), cos, sin, slots.index, slots.end, k_layer, v_layer,
+                                        self.n_heads)
+            keys, values = cache.read(self.layer_idx, kv_len)
+            return self.o_proj(native_kernels.attend(q, keys, values, mask, self.hd**-0.5))
         q, k, v = self._project(x)
         q = q.reshape(b, t, self.n_heads, self.hd).transpose(1, 2)
         k = k.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
@@ -158,7 +166,7 @@ class Attention(nn.Module):
         else:
             cache.write(self.layer_idx, slots, k, v)
             keys, values = cache.read(self.layer_idx, kv_len)  # [B, kvh, S, hd]
-        if t <= SMALL_ATTENTION_TOKENS and native_kernels.attend_applies(q):
+        if fused:
             return self.o_proj(native_kernels.attend(q, keys, values, mask, self.hd**-0.5))
         if t <= SMALL_ATTENTION_TOKENS:
             out = small_attention(q, keys, values, mask)
@@ -186,6 +194,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if native_kernels.glue_applies(x):
+            return self.down_proj(native_kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -625,3 +625,68 @@ TARGET void attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
         free(p);
     }
 }
+
+// Rotary embedding of a fused q/k/v projection, with k and v written to the cache: the reference's
+// `x * cos + rotate_half(x) * sin` in bf16, each product and the sum rounded to bf16 as torch's bf16 ops
+// do (sin holds the sign of rotate_half in its first half), so the bits are torch's.
+// qkv [B * T, (H + 2 * KVH) * hd], cos / sin [B * T, hd], slots [B * T]; q_out [B, H, T, hd]; the cache
+// layer's k / v [B, KVH, S, hd] with strides (sb, sh, hd, 1).
+static inline void rope_row(const uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t hd, uint16_t* y) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < hd; i++) {
+        const float xr = bf16_to_f32(x[i < half ? i + half : i - half]);
+        const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])));
+        const float b = bf16_to_f32(f32_to_bf16(xr * bf16_to_f32(s[i])));
+        y[i] = f32_to_bf16(a + b);
+    }
+}
+
+void rope_qkv_bf16(const uint16_t* qkv, const uint16_t* cos, const uint16_t* sin, const int64_t* slots, int64_t B,
+                   int64_t T, int64_t H, int64_t KVH, int64_t hd, uint16_t* q_out, uint16_t* kc, uint16_t* vc,
+                   int64_t sb, int64_t sh) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t bt = b * T + t;
+            const uint16_t* row = qkv + bt * (H + 2 * KVH) * hd;
+            const uint16_t *c = cos + bt * hd, *s = sin + bt * hd;
+            for (int64_t h = 0; h < H; h++) rope_row(row + h * hd, c, s, hd, q_out + ((b * H + h) * T + t) * hd);
+            for (int64_t g = 0; g < KVH; g++) {
+                const int64_t at = b * sb + g * sh + slots[bt] * hd;
+                rope_row(row + (H + g) * hd, c, s, hd, kc + at);
+                memcpy(vc + at, row + (H + KVH + g) * hd, (size_t)hd * sizeof(uint16_t));
+            }
+        }
+}
+
+// exp(x) for 16 lanes: 2^n * e^r with r = x - n ln2 (|r| <= ln2 / 2, ln2 split in two for exact products)
+// and a degree-7 Taylor polynomial: within ~2 fp32 ulps, far below the bf16 rounding that follows. vscalefps
+// overflows to inf and underflows to 0 as expf does (silu(-100) is then -0, as torch's).
+ALWAYS_INLINE __m512 exp16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// y = bf16(bf16(silu(gate)) * up) for gate_up [M, 2 * I] (gate first): F.silu(gate) * up in bf16, silu in
+// fp32 as x / (1 + exp(-x)) (torch's own exp may differ in the last fp32 bit: rarely a bf16 rounding).
+TARGET void silu_mul_bf16(const uint16_t* gate_up, int64_t M, int64_t I, uint16_t* y) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < I; i += 16) {
+            const __mmask16 mask = tail16(I - i);
+            const __m512 g = load_bf16x16(gate_up + m * 2 * I + i, mask);
+            const __m512 one = _mm512_set1_ps(1.0f);
+            const __m512 act = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+            const __m512 out = _mm512_mul_ps(act, load_bf16x16(gate_up + m * 2 * I + I + i, mask));
+            _mm256_mask_storeu_epi16(y + m * I + i, mask, (__m256i)_mm512_cvtneps_pbh(out));
+        }
+}
