@@ -316,3 +316,29 @@ def test_attention_of_a_tree_node_equals_its_path_laid_out_in_a_row() -> None:
             k_row, v_row = kc[:, :, seen].contiguous(), vc[:, :, seen].contiguous()  # the path, consecutive
             single = native_kernels.attend(q[:, :, i : i + 1], k_row, v_row, None, 128**-0.5)
             assert torch.equal(single[0, 0], rows[0, i])
+
+
+@needs_native
+def test_tied_embeddings_read_the_output_matrix_tiles(tmp_path) -> None:  # noqa: ANN001
+    """A tied table is not kept twice: after conversion to bf16 the embedding reads the lm_head's tiles and
+    gives the same rows."""
+    from conftest import make_tiny_hf_dir
+
+    from specdecode.bench.bandwidth import weight_bytes_per_token
+    from specdecode.model.fast_linear import TiledEmbedding, convert_linears
+    from specdecode.model.load import load_model
+
+    model = load_model(make_tiny_hf_dir(tmp_path, "qwen2", seed=5, tie=True), "bf16", "cpu").model
+    table = model.model.embed_tokens.weight.detach().clone()  # [vocab, 64]
+    ids = torch.tensor([[0, 1, 17, 5], [table.shape[0] - 1, 3, 16, 15]])
+    with torch.inference_mode():
+        before = model(ids, torch.arange(4).expand(2, 4), model.new_cache(2, 8))
+    convert_linears(model, "bf16")
+    emb = model.model.embed_tokens
+    assert isinstance(emb, TiledEmbedding)
+    assert torch.equal(emb(ids), table[ids]) and torch.equal(emb.weight, table)
+    assert not any(isinstance(m, torch.nn.Embedding) for m in model.modules())
+    assert weight_bytes_per_token(model)["embedding_bytes_excluded"] == 0
+    with torch.inference_mode():
+        after = model(ids, torch.arange(4).expand(2, 4), model.new_cache(2, 8))
+    assert torch.allclose(after.float(), before.float(), rtol=2**-6, atol=1e-2)
