@@ -177,3 +177,19 @@ def test_self_distilled_answers_are_cached_and_resumed(tiny_llama_dir: Path, tmp
     assert [c[0]["content"] for c in first] == requests[:2] and all(c[1]["role"] == "assistant" for c in first)
     again = self_distilled_conversations(llm, requests, path, max_tokens=6)  # generates only the third
     assert again[:2] == first and len(path.read_text().splitlines()) == 3
+
+
+def test_diverse_requests_and_batched_answers(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The diverse request set mixes task kinds without repeats; answering with continuous batching gives
+    the answers of one request at a time, in request order."""
+    from specdecode.heads.selfgen import diverse_requests, self_distilled_conversations
+
+    requests = diverse_requests(60)
+    assert len(set(requests)) == 60 and requests == diverse_requests(60)  # fixed by the seed
+    openings = {r.split()[0] for r in requests}
+    assert {"Translate", "Summarize", "Read", "Rewrite", "Write"} <= openings
+    llm = LLM(str(tiny_llama_dir), dtype="fp32")
+    short = sorted(requests, key=len)[:5]
+    one = self_distilled_conversations(llm, short, tmp_path / "one.jsonl", max_tokens=6)
+    batched = self_distilled_conversations(llm, short, tmp_path / "batched.jsonl", max_tokens=6, batch=3)
+    assert batched == one and [c[0]["content"] for c in batched] == short

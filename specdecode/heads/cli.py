@@ -23,6 +23,14 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
                         "256 tokens each; cached and resumable)")
     p.add_argument("--self-distill-draft", default=None,
                    help="draft model that speeds up generating those answers (default: n-gram lookup)")
+    p.add_argument("--self-distill-requests", choices=["corpus", "diverse"], default="corpus",
+                   help="corpus: code tasks and documentation questions; diverse: translation, word problems, "
+                        "explanations, advice, letters, summaries, passage questions (selfgen.diverse_requests)")
+    p.add_argument("--self-distill-batch", type=int, default=1, metavar="B",
+                   help="answer B requests at once with continuous batching (plain decoding, no draft)")
+    p.add_argument("--self-distill-quantization", choices=["none", "int8-dynamic"], default="none",
+                   help="the target's format while answering (features always come from the bf16 target)")
+    p.add_argument("--data-only", action="store_true", help="generate the training data, then stop")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=32768, help="output rows of the head (most frequent ids)")
@@ -48,16 +56,28 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint
 
     from specdecode import LLM
     from specdecode.heads.features import conversation_ids, generate_features
-    from specdecode.heads.selfgen import self_distill_requests, self_distilled_conversations
+    from specdecode.heads.selfgen import diverse_requests, self_distill_requests, self_distilled_conversations
+    from specdecode.model.fast_linear import convert_linears, target_linear_format
+    from specdecode.model.load import load_model
 
-    spec = {"method": "draft", "model": args.self_distill_draft} if args.self_distill_draft else {"method": "ngram"}
-    llm = LLM(args.target, speculative_config=spec)
-    requests = self_distill_requests(args.self_distill)
-    convs = self_distilled_conversations(llm, requests, data_dir / f"self-answers-{args.self_distill}.jsonl")
-    total = sum(len(conversation_ids(llm.tokenizer, c)) for c in convs)
-    shards = generate_features(llm.target.model, llm.tokenizer, data_dir / f"self-{args.self_distill}", total,
-                               fingerprint=fingerprint, conversations=convs, source="self-distilled")
+    n, batch = args.self_distill, args.self_distill_batch
+    if batch > 1:
+        spec = None  # under a full batch, speculation backs off anyway
+    else:
+        spec = {"method": "draft", "model": args.self_distill_draft} if args.self_distill_draft else {"method": "ngram"}
+    diverse = args.self_distill_requests == "diverse"
+    requests = diverse_requests(n) if diverse else self_distill_requests(n)
+    tag = f"diverse-{n}" if diverse else str(n)
+    llm = LLM(args.target, speculative_config=spec, quantization=args.self_distill_quantization, max_model_len=4096)
+    convs = self_distilled_conversations(llm, requests, data_dir / f"self-answers-{tag}.jsonl", batch=batch)
     del llm
+    gc.collect()
+    loaded = load_model(args.target, "bf16")  # features from the target as it is, whatever answered
+    convert_linears(loaded.model, target_linear_format("none", loaded.model.dtype, loaded.model.device))
+    total = sum(len(conversation_ids(loaded.tokenizer, c)) for c in convs)
+    shards = generate_features(loaded.model, loaded.tokenizer, data_dir / f"self-{tag}", total,
+                               fingerprint=fingerprint, conversations=convs, source="self-distilled")
+    del loaded
     gc.collect()
     return shards
 
@@ -83,6 +103,9 @@ def run_train_head(args: argparse.Namespace) -> int:
     del loaded
     if args.self_distill > 0:
         shards += _self_distilled_shards(args, data_dir, fingerprint)
+    if args.data_only:
+        print(f"{len(shards)} shards of training data in {data_dir}")
+        return 0
     target = load_model(args.target, "bf16").model
     opts = TrainOptions(kind=args.kind, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab,
                         intermediate_size=args.intermediate_size, num_medusa_heads=args.num_heads,

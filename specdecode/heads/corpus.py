@@ -84,9 +84,14 @@ def _package_descriptions() -> Iterator[tuple[str, str]]:
             yield str(dist.metadata["Name"]), text
 
 
+def documentation_texts() -> list[tuple[str, str]]:
+    """(title, text) of the interpreter's documentation topics and the installed packages' descriptions."""
+    return [*_topics(), *_package_descriptions()]
+
+
 def prose_conversations(rng: random.Random) -> list[Messages]:
     out = []
-    for title, text in [*_topics(), *_package_descriptions()]:
+    for title, text in documentation_texts():
         for start in range(0, min(len(text), 4 * MAX_PROSE_CHARS), MAX_PROSE_CHARS):
             part = text[start : start + MAX_PROSE_CHARS].strip()
             if len(part) < 200:
