@@ -284,27 +284,17 @@ TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 #define TILE_CHUNK_BYTES (TILE_ROWS * CHUNK_BYTES)
 #define PF_AHEAD 4096  // one token: bytes of its own stream prefetched ahead (measured: 1-8 KB alike, none -5%)
 
-// Output channels per block. One token streams a whole tile block of 16 rows at once. Several tokens take
-// 4 rows x 4 tokens per pass, the rows reused from L1 (about oneDNN's speed at 3-9 tokens), each pass
-// prefetching the rows of the next one.
+// Rows per pass: a whole tile block for one token; 4 rows x 4 tokens (register blocks) for the others.
 #define NR_ONE 16
 #define NR_MANY 4
 #define NR_MAX 16
 #define MBB_MAX 4
 
-// A pass's tile: NR rows starting at row n0 (the first of a tile block, or a multiple of NR_MANY within
-// it), and where it prefetches (the same chunks of the next pass's rows; for one token, further on in its
-// own stream). Addresses of chunk j of row r: tile + j * TILE_CHUNK_BYTES + r * CHUNK_BYTES.
+// The tile block holding row n0 (a multiple of TILE_ROWS); chunk j of its row r is at
+// tile + j * TILE_CHUNK_BYTES + r * CHUNK_BYTES.
 static inline const uint8_t* tile_at(const void* w, int64_t row_bytes_padded, int64_t n0) {
-    return (const uint8_t*)w + (n0 / TILE_ROWS) * TILE_ROWS * row_bytes_padded + (n0 % TILE_ROWS) * CHUNK_BYTES;
+    return (const uint8_t*)w + (n0 / TILE_ROWS) * TILE_ROWS * row_bytes_padded;
 }
-
-static inline const uint8_t* prefetch_at(const void* w, int64_t rbp, int64_t n0, int NR, int64_t N_padded) {
-    if (NR == TILE_ROWS) return tile_at(w, rbp, n0) + PF_AHEAD;
-    return tile_at(w, rbp, n0 + NR < N_padded ? n0 + NR : n0);
-}
-
-static inline int64_t padded_rows(int64_t N) { return (N + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS; }
 
 // ---- bf16 ------------------------------------------------------------------------------------------
 // The model's own bf16 weights, tiled, for the exact target's decode and verification forwards: 32
@@ -339,37 +329,47 @@ ALWAYS_INLINE void bf16_pass(const int NR, const int MB, const uint16_t* xb, int
         for (int i = 0; i < MB; i++) out[i * NR + r] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-// Output channels [n0, n0 + NR) for all M rows, MBB_MAX rows per pass (NR is a constant after inlining).
-ALWAYS_INLINE void bf16_block(const int NR, const uint16_t* xb, int64_t M, int64_t K, const void* w,
-                              const uint16_t* bias, int64_t n0, int64_t N, void* y, int y_is_f32) {
+// Output channels [n0, n0 + 16) of a tile block for all M rows. The first row streams the block from memory
+// in one pass (one sequential stream, as for a single token); the others then take 4 x 4 register blocks
+// over its 4-row slices, from L2. (4 x 4 passes straight from memory read each 1 KB chunk in 256-byte
+// pieces: ~15-25% slower at 4-9 rows than row-major weights.)
+ALWAYS_INLINE void bf16_block(const uint16_t* xb, int64_t M, int64_t K, const void* w, const uint16_t* bias,
+                              int64_t n0, int64_t N, void* y, int y_is_f32) {
     const int64_t rbp = (2 * K + CHUNK_BYTES - 1) / CHUNK_BYTES * CHUNK_BYTES;
     const uint8_t* tile = tile_at(w, rbp, n0);
-    const uint8_t* pf = prefetch_at(w, rbp, n0, NR, padded_rows(N));
     float out[MBB_MAX * NR_MAX];
-    for (int64_t m0 = 0; m0 < M; m0 += MBB_MAX) {
-        const int mb = M - m0 < MBB_MAX ? (int)(M - m0) : MBB_MAX;
-        const uint16_t* xm = xb + m0 * K;
-        switch (mb) {  // constant row counts: the accumulators stay in registers
-            case 1: bf16_pass(NR, 1, xm, K, tile, pf, out); break;
-            case 2: bf16_pass(NR, 2, xm, K, tile, pf, out); break;
-            case 3: bf16_pass(NR, 3, xm, K, tile, pf, out); break;
-            default: bf16_pass(NR, 4, xm, K, tile, pf, out); break;
-        }
-        for (int r = 0; r < NR && n0 + r < N; r++) {
-            const float b = bias ? bf16_to_f32(bias[n0 + r]) : 0.0f;
-            for (int i = 0; i < mb; i++) store(y, y_is_f32, (m0 + i) * N + n0 + r, out[i * NR + r] + b);
+    bf16_pass(NR_ONE, 1, xb, K, tile, tile + PF_AHEAD, out);
+    for (int r = 0; r < NR_ONE && n0 + r < N; r++)
+        store(y, y_is_f32, n0 + r, out[r] + (bias ? bf16_to_f32(bias[n0 + r]) : 0.0f));
+    for (int s = 0; s < NR_ONE; s += NR_MANY) {
+        const uint8_t* slice = tile + s * CHUNK_BYTES;
+        const uint8_t* pf = slice + TILE_ROWS * rbp;  // the same slice of the next block, while this one computes
+        for (int64_t m0 = 1; m0 < M; m0 += MBB_MAX) {
+            const int mb = M - m0 < MBB_MAX ? (int)(M - m0) : MBB_MAX;
+            const uint16_t* xm = xb + m0 * K;
+            switch (mb) {  // constant row counts: the accumulators stay in registers
+                case 1: bf16_pass(NR_MANY, 1, xm, K, slice, pf, out); break;
+                case 2: bf16_pass(NR_MANY, 2, xm, K, slice, pf, out); break;
+                case 3: bf16_pass(NR_MANY, 3, xm, K, slice, pf, out); break;
+                default: bf16_pass(NR_MANY, 4, xm, K, slice, pf, out); break;
+            }
+            for (int r = 0; r < NR_MANY && n0 + s + r < N; r++) {
+                const int64_t n = n0 + s + r;
+                const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
+                for (int i = 0; i < mb; i++) store(y, y_is_f32, (m0 + i) * N + n, out[i * NR_MANY + r] + b);
+            }
         }
     }
 }
 
 TARGET static void bf16_block_one(const uint16_t* xb, int64_t K, const void* w, const uint16_t* bias,
                                   int64_t n0, int64_t N, void* y, int y_is_f32) {
-    bf16_block(NR_ONE, xb, 1, K, w, bias, n0, N, y, y_is_f32);
+    bf16_block(xb, 1, K, w, bias, n0, N, y, y_is_f32);
 }
 
 TARGET static void bf16_block_many(const uint16_t* xb, int64_t M, int64_t K, const void* w,
                                    const uint16_t* bias, int64_t n0, int64_t N, void* y, int y_is_f32) {
-    bf16_block(NR_MANY, xb, M, K, w, bias, n0, N, y, y_is_f32);
+    bf16_block(xb, M, K, w, bias, n0, N, y, y_is_f32);
 }
 
 // y = x w^T + bias (bf16 [N], or NULL), w tiled bf16, x as bf16 (fp32 inputs rounded to bf16 first), fp32
@@ -378,14 +378,13 @@ TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const v
                       int64_t N, void* y, int y_is_f32, int threads) {
     uint16_t* copy = bf16_rows(x, x_is_f32, M, K);
     const uint16_t* xb = copy ? copy : (const uint16_t*)x;
-    const int64_t nr = M == 1 ? NR_ONE : NR_MANY;
-    const int64_t blocks = (N + nr - 1) / nr;
+    const int64_t blocks = (N + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++) {
         if (M == 1)
-            bf16_block_one(xb, K, w, bias, b * nr, N, y, y_is_f32);
+            bf16_block_one(xb, K, w, bias, b * TILE_ROWS, N, y, y_is_f32);
         else
-            bf16_block_many(xb, M, K, w, bias, b * nr, N, y, y_is_f32);
+            bf16_block_many(xb, M, K, w, bias, b * TILE_ROWS, N, y, y_is_f32);
     }
     free(copy);
 }
@@ -422,27 +421,37 @@ ALWAYS_INLINE void i8_pass(const int NR, const int MB, const uint8_t* xu, int64_
         for (int i = 0; i < MB; i++) out[i * NR + r] = _mm512_reduce_add_epi32(acc[r][i]);
 }
 
-ALWAYS_INLINE void i8_block(const int NR, const uint8_t* xu, const float* xscale, int64_t M, int64_t Kp,
-                            const void* w, const int32_t* wsum, const float* wscale, const float* bias,
-                            int64_t n0, int64_t N, void* y, int y_is_f32) {
-    const uint8_t* tile = tile_at(w, Kp, n0);
-    const uint8_t* pf = prefetch_at(w, Kp, n0, NR, padded_rows(N));
-    int32_t out[MBB_MAX * NR_MAX] = {0};
-    for (int64_t m0 = 0; m0 < M; m0 += MBB_MAX) {
-        const int mb = M - m0 < MBB_MAX ? (int)(M - m0) : MBB_MAX;
-        const uint8_t* xm = xu + m0 * Kp;
-        switch (mb) {  // constant row counts: the accumulators stay in registers
-            case 1: i8_pass(NR, 1, xm, Kp, tile, pf, out); break;
-            case 2: i8_pass(NR, 2, xm, Kp, tile, pf, out); break;
-            case 3: i8_pass(NR, 3, xm, Kp, tile, pf, out); break;
-            default: i8_pass(NR, 4, xm, Kp, tile, pf, out); break;
+// Stores rows [m0, m0 + mb) of output channels [n, n + nr) from the pass's integer sums.
+ALWAYS_INLINE void i8_store(const int32_t* out, int nr, int mb, int64_t m0, int64_t n, int64_t N, const int32_t* wsum,
+                            const float* wscale, const float* xscale, const float* bias, void* y, int y_is_f32) {
+    for (int r = 0; r < nr && n + r < N; r++)
+        for (int i = 0; i < mb; i++) {
+            const float v = (float)(out[i * nr + r] - 128 * wsum[n + r]) * wscale[n + r] * xscale[m0 + i];
+            store(y, y_is_f32, (m0 + i) * N + n + r, bias ? bias[n + r] + v : v);
         }
-        for (int r = 0; r < NR && n0 + r < N; r++) {
-            const int64_t n = n0 + r;
-            for (int i = 0; i < mb; i++) {
-                const float v = (float)(out[i * NR + r] - 128 * wsum[n]) * wscale[n] * xscale[m0 + i];
-                store(y, y_is_f32, (m0 + i) * N + n, bias ? bias[n] + v : v);
+}
+
+// As bf16_block: the first row streams the tile block, the others take 4 x 4 blocks of its slices from L2.
+ALWAYS_INLINE void i8_block(const uint8_t* xu, const float* xscale, int64_t M, int64_t Kp, const void* w,
+                            const int32_t* wsum, const float* wscale, const float* bias, int64_t n0, int64_t N,
+                            void* y, int y_is_f32) {
+    const uint8_t* tile = tile_at(w, Kp, n0);
+    int32_t out[MBB_MAX * NR_MAX];
+    i8_pass(NR_ONE, 1, xu, Kp, tile, tile + PF_AHEAD, out);
+    i8_store(out, NR_ONE, 1, 0, n0, N, wsum, wscale, xscale, bias, y, y_is_f32);
+    for (int s = 0; s < NR_ONE; s += NR_MANY) {
+        const uint8_t* slice = tile + s * CHUNK_BYTES;
+        const uint8_t* pf = slice + TILE_ROWS * Kp;  // the same slice of the next block, while this one computes
+        for (int64_t m0 = 1; m0 < M; m0 += MBB_MAX) {
+            const int mb = M - m0 < MBB_MAX ? (int)(M - m0) : MBB_MAX;
+            const uint8_t* xm = xu + m0 * Kp;
+            switch (mb) {  // constant row counts: the accumulators stay in registers
+                case 1: i8_pass(NR_MANY, 1, xm, Kp, slice, pf, out); break;
+                case 2: i8_pass(NR_MANY, 2, xm, Kp, slice, pf, out); break;
+                case 3: i8_pass(NR_MANY, 3, xm, Kp, slice, pf, out); break;
+                default: i8_pass(NR_MANY, 4, xm, Kp, slice, pf, out); break;
             }
+            i8_store(out, NR_MANY, mb, m0, n0 + s, N, wsum, wscale, xscale, bias, y, y_is_f32);
         }
     }
 }
@@ -450,13 +459,13 @@ ALWAYS_INLINE void i8_block(const int NR, const uint8_t* xu, const float* xscale
 TARGET static void i8_block_one(const uint8_t* xu, const float* xscale, int64_t Kp, const void* w,
                                 const int32_t* wsum, const float* wscale, const float* bias, int64_t n0, int64_t N,
                                 void* y, int y_is_f32) {
-    i8_block(NR_ONE, xu, xscale, 1, Kp, w, wsum, wscale, bias, n0, N, y, y_is_f32);
+    i8_block(xu, xscale, 1, Kp, w, wsum, wscale, bias, n0, N, y, y_is_f32);
 }
 
 TARGET static void i8_block_many(const uint8_t* xu, const float* xscale, int64_t M, int64_t Kp, const void* w,
                                  const int32_t* wsum, const float* wscale, const float* bias,
                                  int64_t n0, int64_t N, void* y, int y_is_f32) {
-    i8_block(NR_MANY, xu, xscale, M, Kp, w, wsum, wscale, bias, n0, N, y, y_is_f32);
+    i8_block(xu, xscale, M, Kp, w, wsum, wscale, bias, n0, N, y, y_is_f32);
 }
 
 // Per-row quantization of x (fp32 or bf16 [M, K]) to u8 [M, Kp] (zero-padded) and scales [M].
@@ -486,14 +495,13 @@ TARGET void int8_dynamic_gemm(const void* x, int x_is_f32, int64_t M, int64_t K,
     uint8_t* xu = (uint8_t*)malloc((size_t)(M * Kp));
     float* xscale = (float*)malloc((size_t)M * sizeof(float));
     quantize_rows(x, x_is_f32, M, K, Kp, qmax, xu, xscale);
-    const int64_t nr = M == 1 ? NR_ONE : NR_MANY;
-    const int64_t blocks = (N + nr - 1) / nr;
+    const int64_t blocks = (N + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++) {
         if (M == 1)
-            i8_block_one(xu, xscale, Kp, w, wsum, wscale, bias, b * nr, N, y, y_is_f32);
+            i8_block_one(xu, xscale, Kp, w, wsum, wscale, bias, b * TILE_ROWS, N, y, y_is_f32);
         else
-            i8_block_many(xu, xscale, M, Kp, w, wsum, wscale, bias, b * nr, N, y, y_is_f32);
+            i8_block_many(xu, xscale, M, Kp, w, wsum, wscale, bias, b * TILE_ROWS, N, y, y_is_f32);
     }
     free(xscale);
     free(xu);
