@@ -34,8 +34,11 @@ def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.T
     out["int8 weight-only, q as bf16 + oneDNN"] = lambda x: F.linear(x, i8.weight.to(torch.bfloat16)) * i8.scales
     if native_kernels.available():
         out["int8-dynamic, ours"] = Int8DynamicLinear(lin, native=True)
-        tiles, n = native_kernels.tile_rows(lin.weight.detach().bfloat16()), lin.out_features
-        out["bf16, ours (the decode kernel; used up to 65 rows)"] = lambda x: native_kernels.bf16_gemm(x, tiles, n)
+        w = lin.weight.detach().bfloat16()
+        tiles, n = native_kernels.tile_rows(w), lin.out_features
+        out["bf16, ours (tiled weights, every row count)"] = lambda x: native_kernels.bf16_gemm(x, tiles, n)
+        out["bf16, torch matmul on untiled weights"] = lambda x: F.linear(x, w)
+        out["bf16, untiling + torch matmul"] = lambda x: F.linear(x, native_kernels.untile_rows(tiles, n, K, w.dtype))
         out["int8 weight-only, ours"] = Int8WeightLinear(lin, native=True)
         out["int4 weight-only, ours"] = Int4WeightLinear(lin, native=True)
     return out

@@ -29,7 +29,9 @@ class DraftHead(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         self.target_vocab_size = 0
-        self._embed: torch.Tensor | None = None  # the target's embedding matrix [V, D] (shared)
+        # The target's decoder body, for its embeddings (in a list: not a submodule of the head). Looked up at
+        # each call, so a conversion of the target (a new table, tiles) is followed.
+        self._target_body: list[nn.Module] = []
 
     @property
     def dtype(self) -> torch.dtype:
@@ -55,7 +57,7 @@ class DraftHead(nn.Module):
             raise RuntimeError("attach the head before converting the target's linears (needs its output matrix)")
         d2t = self.d2t.to(weight.device)
         self.lm_head.weight = nn.Parameter(weight.detach()[d2t].to(self.dtype).clone(), requires_grad=False)
-        self._embed = target.model.embed_tokens.weight.detach()
+        self._target_body = [target.model]
         self.target_vocab_size = target.config.vocab_size
         return self
 
@@ -64,8 +66,9 @@ class DraftHead(nn.Module):
         return {k: v for k, v in self.state_dict().items() if k != "lm_head.weight"}
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        assert self._embed is not None, "attach() the head to its target first"
-        return F.embedding(tokens, self._embed)
+        assert self._target_body, "attach() the head to its target first"
+        with torch.no_grad():  # the target's table is frozen: no gradient flows into it
+            return self._target_body[0].embed_tokens(tokens)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., D] -> fp32 logits over the draft vocabulary [..., Vd]."""

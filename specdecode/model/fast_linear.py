@@ -22,7 +22,6 @@ import warnings
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdecode.model import native_kernels
@@ -40,19 +39,15 @@ def _native(native: bool | None) -> bool:
     return native_kernels.available() if native is None else native
 
 
-NATIVE_BF16_MAX_ROWS = 65
-"""Rows up to which bf16 linears take our kernel: one token, or the verification of a chain or of a tree of
-up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) go to oneDNN."""
-
-
 class BF16Linear(nn.Module):
     """The model's own bf16 weights: the exact target's format on CPU.
 
-    With our kernels (`native`): they read the weights for one token ~1.3-1.5x faster than oneDNN's
-    pre-packed ones, and a row's result does not depend on the other rows of the forward. Prefill goes
-    to torch's bf16 matmul, which re-packs the weights per call: little next to a long prompt's
-    arithmetic. Without them: oneDNN's weights pre-packed once (the plain bf16 matmul re-packs on every
-    call and reads a single token at ~1/3 of memory bandwidth)."""
+    With our kernels (`native`, weights tiled): one token reads the weights ~1.3-2x faster than oneDNN's
+    pre-packed ones, and a row's result does not depend on the other rows of the forward, prompt rows
+    included. Prefill runs on the same kernel: 1.2x torch's bf16 matmul time for 128 rows, 1.25x for 512
+    (`benchmarks/prefill_linears.py`), cheaper than untiling the weights for it. Without them: oneDNN's
+    weights pre-packed once (the plain bf16 matmul re-packs on every call and reads a single token at ~1/3
+    of memory bandwidth)."""
 
     def __init__(self, linear: nn.Linear, native: bool | None = None) -> None:
         super().__init__()
@@ -73,8 +68,6 @@ class BF16Linear(nn.Module):
         if not self.native:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         shape = x.shape
-        if x.numel() // shape[-1] > NATIVE_BF16_MAX_ROWS:  # prefill: arithmetic far outweighs the untiling
-            return F.linear(x.to(torch.bfloat16), self.weight(), self.bias).to(x.dtype)
         y = native_kernels.bf16_gemm(x, self.tiles, self.out_features, self.bias)  # [M, N] in x's dtype
         return y.reshape(*shape[:-1], y.shape[-1])
 
@@ -317,13 +310,29 @@ def convert_linears(model: nn.Module, fmt: LinearFormat, native: bool | None = N
     make = _CONSTRUCTORS[fmt]
     if native is not None and fmt in NATIVE_FORMATS:
         make = functools.partial(make, native=native)
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, child_name, make(child))
-        del name
+    # Parents only: a list of every module would keep each replaced Linear (and its weights) alive until
+    # the end, doubling the memory a conversion needs at its peak.
+    parents = [m for m in model.modules() if any(isinstance(c, nn.Linear) for c in m.children())]
+    for module in parents:
+        for child_name in [n for n, c in module.named_children() if isinstance(c, nn.Linear)]:
+            setattr(module, child_name, make(getattr(module, child_name)))
     _share_tied_embeddings(model)
+    _own_remaining_tensors(model)
     return model
+
+
+def _own_remaining_tensors(model: nn.Module) -> None:
+    """Copy what the conversion left in place (embeddings, norms, biases) out of the loaded file's memory map:
+    while one tensor of it lives, the whole file stays mapped and resident next to the converted weights
+    (3.1 GB more for the 1.5B target)."""
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                if p.device.type == "cpu":
+                    p.data = p.data.clone()
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not name.startswith("_"):
+                    setattr(module, name, value.clone())
 
 
 class TiledEmbedding(nn.Module):

@@ -158,8 +158,11 @@ def tile_rows(w: torch.Tensor) -> torch.Tensor:
     n = w.shape[0]
     rows = w.contiguous().view(torch.uint8).reshape(n, -1)  # [N, K bytes]
     blocks, chunks = -(-n // TILE_ROWS), -(-rows.shape[1] // CHUNK_BYTES)
-    padded = torch.nn.functional.pad(rows, (0, chunks * CHUNK_BYTES - rows.shape[1], 0, blocks * TILE_ROWS - n))
     tiles = _huge_page_bytes(blocks * chunks * TILE_ROWS * CHUNK_BYTES).view(blocks, chunks, TILE_ROWS, CHUNK_BYTES)
+    if rows.shape == (blocks * TILE_ROWS, chunks * CHUNK_BYTES):  # no padding: no temporary copy
+        padded = rows
+    else:
+        padded = torch.nn.functional.pad(rows, (0, chunks * CHUNK_BYTES - rows.shape[1], 0, blocks * TILE_ROWS - n))
     tiles.copy_(padded.view(blocks, TILE_ROWS, chunks, CHUNK_BYTES).transpose(1, 2))
     return tiles
 

@@ -289,6 +289,7 @@ TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 #define NR_MANY 4
 #define NR_MAX 16
 #define MBB_MAX 4
+#define SWEEP_ROWS 64  // input rows per sweep over the weights (a long prompt is cut into such sweeps)
 
 // The tile block holding row n0 (a multiple of TILE_ROWS); chunk j of its row r is at
 // tile + j * TILE_CHUNK_BYTES + r * CHUNK_BYTES.
@@ -379,12 +380,18 @@ TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const v
     uint16_t* copy = bf16_rows(x, x_is_f32, M, K);
     const uint16_t* xb = copy ? copy : (const uint16_t*)x;
     const int64_t blocks = (N + TILE_ROWS - 1) / TILE_ROWS;
+    // A prompt's rows go in sweeps of SWEEP_ROWS over the weights: its inputs then stay in L2.
+    for (int64_t m0 = 0; m0 < M; m0 += SWEEP_ROWS) {
+        const int64_t mc = M - m0 < SWEEP_ROWS ? M - m0 : SWEEP_ROWS;
+        const uint16_t* xm = xb + m0 * K;
+        char* ym = (char*)y + m0 * N * (y_is_f32 ? 4 : 2);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        if (M == 1)
-            bf16_block_one(xb, K, w, bias, b * TILE_ROWS, N, y, y_is_f32);
-        else
-            bf16_block_many(xb, M, K, w, bias, b * TILE_ROWS, N, y, y_is_f32);
+        for (int64_t b = 0; b < blocks; b++) {
+            if (mc == 1)
+                bf16_block_one(xm, K, w, bias, b * TILE_ROWS, N, ym, y_is_f32);
+            else
+                bf16_block_many(xm, mc, K, w, bias, b * TILE_ROWS, N, ym, y_is_f32);
+        }
     }
     free(copy);
 }
