@@ -35,10 +35,8 @@ def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.T
     if native_kernels.available():
         out["int8-dynamic, ours"] = Int8DynamicLinear(lin, native=True)
         w = lin.weight.detach().bfloat16()
-        tiles, n = native_kernels.tile_rows(w), lin.out_features
-        out["bf16, ours (tiled weights, every row count)"] = lambda x: native_kernels.bf16_gemm(x, tiles, n)
-        out["bf16, torch matmul on untiled weights"] = lambda x: F.linear(x, w)
-        out["bf16, untiling + torch matmul"] = lambda x: F.linear(x, native_kernels.untile_rows(tiles, n, K, w.dtype))
+        out["bf16, ours (the decode kernel; used up to 65 rows)"] = lambda x: native_kernels.bf16_gemm(x, w)
+        out["bf16, torch matmul (row-major weights: prefill)"] = lambda x: F.linear(x, w)
         out["int8 weight-only, ours"] = Int8WeightLinear(lin, native=True)
         out["int4 weight-only, ours"] = Int4WeightLinear(lin, native=True)
     return out

@@ -13,7 +13,7 @@ import torch
 from linear_helpers import BF16_HALF_ULP, FP32_ULP, bf16_linear, check_bound, inputs
 
 from specdecode.model import native_kernels
-from specdecode.model.fast_linear import BF16Linear, Int4WeightLinear, Int8WeightLinear
+from specdecode.model.fast_linear import NATIVE_BF16_MAX_ROWS, BF16Linear, Int4WeightLinear, Int8WeightLinear
 
 needs_native = pytest.mark.skipif(not native_kernels.available(), reason="no AVX512-BF16 CPU or no C compiler")
 KERNELS = [pytest.param(True, id="native", marks=needs_native), pytest.param(False, id="torch")]
@@ -76,7 +76,7 @@ def test_rows_are_independent(fmt: str, dtype: torch.dtype) -> None:
     """Every row of a forward as large as a tree's verification equals that row alone, bit for bit."""
     # 102: not a multiple of the 4- or 16-row tiles
     module = CLASSES[fmt](bf16_linear(102, 256, seed=3), native=True)
-    rows = 70  # more than a tree's verification (65 rows) and than one sweep of the bf16 kernel (64)
+    rows = NATIVE_BF16_MAX_ROWS if fmt == "bf16" else 70
     x = inputs(rows, 256, seed=4).to(dtype)
     x[5] *= 50  # one token with much larger activations
     full = module(x)
@@ -110,16 +110,14 @@ def test_bf16_kernel_parity(rows: int, bias: bool) -> None:
 
 
 @needs_native
-def test_bf16_prompt_rows_equal_single_rows() -> None:
-    """A prompt longer than one sweep of the kernel (64 rows) gives the rows of single-token forwards bit for
-    bit, within the bf16 bound of the exact product."""
+def test_bf16_prefill_takes_torch_matmul() -> None:
+    """Longer forwards than a verification (prompt prefill) go to torch's bf16 matmul, same weights."""
     lin = bf16_linear(64, 128, seed=9)
     module = BF16Linear(lin, native=True)
-    x = inputs(150, 128, seed=10).bfloat16()
-    y = module(x)
-    for i in (0, 63, 64, 100, 149):
-        assert torch.equal(module(x[i : i + 1]), y[i : i + 1])
-    check_bound(y, x.double(), lin.weight.detach(), lin.bias.detach(), BF16_HALF_ULP)
+    x = inputs(NATIVE_BF16_MAX_ROWS + 1, 128, seed=10).bfloat16()
+    w, b = lin.weight.detach().bfloat16(), lin.bias.detach().bfloat16()
+    assert torch.equal(module(x), torch.nn.functional.linear(x, w, b))
+    check_bound(module(x), x.double(), lin.weight.detach(), lin.bias.detach(), BF16_HALF_ULP)
 
 
 def test_int4_kernel_needs_whole_groups_of_128() -> None:
@@ -319,28 +317,3 @@ def test_attention_of_a_tree_node_equals_its_path_laid_out_in_a_row() -> None:
             single = native_kernels.attend(q[:, :, i : i + 1], k_row, v_row, None, 128**-0.5)
             assert torch.equal(single[0, 0], rows[0, i])
 
-
-@needs_native
-def test_tied_embeddings_read_the_output_matrix_tiles(tmp_path) -> None:  # noqa: ANN001
-    """A tied table is not kept twice: after conversion to bf16 the embedding reads the lm_head's tiles and
-    gives the same rows."""
-    from conftest import make_tiny_hf_dir
-
-    from specdecode.bench.bandwidth import weight_bytes_per_token
-    from specdecode.model.fast_linear import TiledEmbedding, convert_linears
-    from specdecode.model.load import load_model
-
-    model = load_model(make_tiny_hf_dir(tmp_path, "qwen2", seed=5, tie=True), "bf16", "cpu").model
-    table = model.model.embed_tokens.weight.detach().clone()  # [vocab, 64]
-    ids = torch.tensor([[0, 1, 17, 5], [table.shape[0] - 1, 3, 16, 15]])
-    with torch.inference_mode():
-        before = model(ids, torch.arange(4).expand(2, 4), model.new_cache(2, 8))
-    convert_linears(model, "bf16")
-    emb = model.model.embed_tokens
-    assert isinstance(emb, TiledEmbedding)
-    assert torch.equal(emb(ids), table[ids]) and torch.equal(emb.weight, table)
-    assert not any(isinstance(m, torch.nn.Embedding) for m in model.modules())
-    assert weight_bytes_per_token(model)["embedding_bytes_excluded"] == 0
-    with torch.inference_mode():
-        after = model(ids, torch.arange(4).expand(2, 4), model.new_cache(2, 8))
-    assert torch.allclose(after.float(), before.float(), rtol=2**-6, atol=1e-2)

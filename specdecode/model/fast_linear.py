@@ -22,6 +22,7 @@ import warnings
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdecode.model import native_kernels
@@ -39,15 +40,19 @@ def _native(native: bool | None) -> bool:
     return native_kernels.available() if native is None else native
 
 
+NATIVE_BF16_MAX_ROWS = 65
+"""Rows up to which bf16 linears take our kernel: one token, or the verification of a chain or of a tree of
+up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) go to oneDNN."""
+
+
 class BF16Linear(nn.Module):
     """The model's own bf16 weights: the exact target's format on CPU.
 
-    With our kernels (`native`, weights tiled): one token reads the weights ~1.3-2x faster than oneDNN's
-    pre-packed ones, and a row's result does not depend on the other rows of the forward, prompt rows
-    included. Prefill runs on the same kernel: 1.2x torch's bf16 matmul time for 128 rows, 1.25x for 512
-    (`benchmarks/prefill_linears.py`), cheaper than untiling the weights for it. Without them: oneDNN's
-    weights pre-packed once (the plain bf16 matmul re-packs on every call and reads a single token at ~1/3
-    of memory bandwidth)."""
+    With our kernels (`native`): they read the weights for one token ~1.3-1.5x faster than oneDNN's
+    pre-packed ones, and a row's result does not depend on the other rows of the forward. Prefill goes
+    to torch's bf16 matmul, which re-packs the weights per call: little next to a long prompt's
+    arithmetic. Without them: oneDNN's weights pre-packed once (the plain bf16 matmul re-packs on every
+    call and reads a single token at ~1/3 of memory bandwidth)."""
 
     def __init__(self, linear: nn.Linear, native: bool | None = None) -> None:
         super().__init__()
@@ -55,20 +60,18 @@ class BF16Linear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.native = _native(native)
         if self.native:
-            self.tiles = native_kernels.tile_rows(w)  # [N / 16, K / 32, 16, 64] bytes
+            self.weight = w.contiguous()  # [N, K]
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
-
-    def weight(self) -> torch.Tensor:
-        """The weights as a new [N, K] bf16 tensor (native only)."""
-        return native_kernels.untile_rows(self.tiles, self.out_features, self.in_features, torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.native:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         shape = x.shape
-        y = native_kernels.bf16_gemm(x, self.tiles, self.out_features, self.bias)  # [M, N] in x's dtype
+        if x.numel() // shape[-1] > NATIVE_BF16_MAX_ROWS:
+            return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+        y = native_kernels.bf16_gemm(x, self.weight, self.bias)  # [M, N] in x's dtype
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -316,15 +319,15 @@ def convert_linears(model: nn.Module, fmt: LinearFormat, native: bool | None = N
     for module in parents:
         for child_name in [n for n, c in module.named_children() if isinstance(c, nn.Linear)]:
             setattr(module, child_name, make(getattr(module, child_name)))
-    _share_tied_embeddings(model)
-    _own_remaining_tensors(model)
+    if fmt != "bf16":  # bf16 keeps the loaded weights themselves (mapped from the file): nothing to free
+        _own_remaining_tensors(model)
     return model
 
 
 def _own_remaining_tensors(model: nn.Module) -> None:
-    """Copy what the conversion left in place (embeddings, norms, biases) out of the loaded file's memory map:
-    while one tensor of it lives, the whole file stays mapped and resident next to the converted weights
-    (3.1 GB more for the 1.5B target)."""
+    """Copy what a quantizing conversion left in place (embeddings, norms, biases) out of the loaded file's
+    memory map: while one tensor of it lives, the whole file stays mapped and resident next to the new
+    weights (3.1 GB more for the 1.5B target)."""
     with torch.no_grad():
         for module in model.modules():
             for p in module.parameters(recurse=False):
@@ -333,36 +336,6 @@ def _own_remaining_tensors(model: nn.Module) -> None:
             for name, value in list(vars(module).items()):
                 if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not name.startswith("_"):
                     setattr(module, name, value.clone())
-
-
-class TiledEmbedding(nn.Module):
-    """Token embeddings read from the tiles of a tied output matrix (`BF16Linear`, native): one copy of the
-    table instead of two (0.47 GB for the 1.5B target). Rows come out as the same bf16 numbers."""
-
-    def __init__(self, lm_head: BF16Linear) -> None:
-        super().__init__()
-        self._tiles = lm_head.tiles  # underscore: the output matrix counts these bytes, not this module
-        self.num_embeddings, self.embedding_dim = lm_head.out_features, lm_head.in_features
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The whole table, as a new [vocab, dim] tensor (for rare readers such as a head's fingerprint)."""
-        return native_kernels.untile_rows(self._tiles, self.num_embeddings, self.embedding_dim, torch.bfloat16)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        tiles = self._tiles.view(torch.bfloat16)  # [N / 16, C, 16, 32]
-        rows = tiles[ids // native_kernels.TILE_ROWS, :, ids % native_kernels.TILE_ROWS]  # [*ids, C, 32]
-        return rows.reshape(*ids.shape, -1)[..., : self.embedding_dim]
-
-
-def _share_tied_embeddings(model: nn.Module) -> None:
-    """A tied embedding table reads its rows from the converted output matrix's tiles, so that the original
-    table can be freed."""
-    cfg, body, head = getattr(model, "config", None), getattr(model, "model", None), getattr(model, "lm_head", None)
-    if not getattr(cfg, "tie_word_embeddings", False) or not isinstance(head, BF16Linear) or not head.native:
-        return
-    if isinstance(getattr(body, "embed_tokens", None), nn.Embedding):
-        body.embed_tokens = TiledEmbedding(head)
 
 
 def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormat:

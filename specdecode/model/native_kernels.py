@@ -133,7 +133,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
 
 
 TILE_ROWS, CHUNK_BYTES = 16, 64
-"""The tiled layout of the bf16 and int8 x int8 kernels' weights (see `tile_rows`)."""
+"""The tiled layout of the int8 x int8 kernel's weights (see `tile_rows`)."""
 
 _HUGE_PAGE = 2 << 20
 
@@ -186,12 +186,11 @@ def int8_dynamic_gemm(x: torch.Tensor, tiles: torch.Tensor, n: int, wsum: torch.
     return _gemm("int8_dynamic", x, tiles, wsum, scale, bias, scalars=(qmax,), n=n)
 
 
-def bf16_gemm(x: torch.Tensor, tiles: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (fp32/bf16) times w.T (bf16 [n, K], as `tile_rows(w)`) + bias (bf16 [n]) -> [M, n] in x's
-    dtype; the bias is added in fp32 before the result is rounded."""
-    assert tiles.dtype == torch.uint8 and (bias is None or bias.dtype == torch.bfloat16)
-    _check_tiles(tiles, n, 2 * x.shape[-1])
-    return _gemm("bf16", x, tiles, bias, n=n)
+def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (fp32/bf16) times w.T (bf16 [N, K], contiguous) + bias (bf16 [N]) -> [M, N] in x's dtype;
+    the bias is added in fp32 before the result is rounded."""
+    assert w.dtype == torch.bfloat16 and w.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)
+    return _gemm("bf16", x, w, bias)
 
 
 def _check_tiles(tiles: torch.Tensor, n: int, row_bytes: int) -> None:

@@ -242,7 +242,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.norm.weight.device
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:

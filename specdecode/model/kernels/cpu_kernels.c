@@ -273,23 +273,27 @@ TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
     free(copy);
 }
 
-// ---- tiled weights (bf16 and int8 x int8) ----------------------------------------------------------
-// These two kernels read weights tiled by `native_kernels.tile_rows`: rows in blocks of TILE_ROWS, each row
-// cut into 64-byte chunks, and chunk j of a block's rows stored together (1 KB), zero-padded to whole
-// blocks and chunks. A pass over a block is then one sequential stream, which the prefetchers follow at the
-// machine's full read speed: 16 row-major rows are 16 short streams, ~10-15% slower when memory is fast
-// (55-60 vs 50-52 GB/s; equal when it is slow, ~35).
-#define TILE_ROWS 16
-#define CHUNK_BYTES 64
-#define TILE_CHUNK_BYTES (TILE_ROWS * CHUNK_BYTES)
-#define PF_AHEAD 4096  // one token: bytes of its own stream prefetched ahead (measured: 1-8 KB alike, none -5%)
-
-// Rows per pass: a whole tile block for one token; 4 rows x 4 tokens (register blocks) for the others.
+// ---- blocks of rows (bf16 and int8 x int8) ------------------------------------------------------
+// Output channels per pass. One token streams 16 rows at once: more rows in flight keep more cache misses
+// outstanding (bf16: 40-50 GB/s against oneDNN's 27-31 for its pre-packed weights). Several tokens take
+// 4 rows x 4 tokens per pass (register blocks). The weight-only kernels above are bound by decoding their
+// weights and keep 4 rows.
 #define NR_ONE 16
 #define NR_MANY 4
 #define NR_MAX 16
 #define MBB_MAX 4
-#define SWEEP_ROWS 64  // input rows per sweep over the weights (a long prompt is cut into such sweeps)
+
+// The int8 x int8 kernel reads its weights tiled by `native_kernels.tile_rows`: rows in blocks of TILE_ROWS,
+// each row cut into 64-byte chunks, chunk j of a block's rows stored together (1 KB), zero-padded to whole
+// blocks and chunks. One token's pass over a block is then one sequential stream, which the prefetchers
+// follow at the machine's full read speed: 16 row-major rows are 16 short streams, ~10-15% slower when
+// memory is fast (55-60 vs 50-52 GB/s; equal when it is slow, ~35). The bf16 weights stay row-major: on
+// tiles, our kernel's prefill (many rows) is 15-35% slower than torch's matmul on row-major weights, and
+// untiling per call costs as much (BENCHMARKS.md, session 8).
+#define TILE_ROWS 16
+#define CHUNK_BYTES 64
+#define TILE_CHUNK_BYTES (TILE_ROWS * CHUNK_BYTES)
+#define PF_AHEAD 4096  // one token: bytes of its own stream prefetched ahead (measured: 1-8 KB alike, none -5%)
 
 // The tile block holding row n0 (a multiple of TILE_ROWS); chunk j of its row r is at
 // tile + j * TILE_CHUNK_BYTES + r * CHUNK_BYTES.
@@ -298,24 +302,25 @@ static inline const uint8_t* tile_at(const void* w, int64_t row_bytes_padded, in
 }
 
 // ---- bf16 ------------------------------------------------------------------------------------------
-// The model's own bf16 weights, tiled, for the exact target's decode and verification forwards: 32
-// products per vdpbf16ps (a product of two bf16 numbers is exact in fp32), nothing to decode. Every output
-// element is one accumulation chain over k in the same order whatever the block shape.
+// The model's own bf16 weights [N, K] (row-major, torch's layout) for the exact target's decode and
+// verification forwards: 32 products per vdpbf16ps (a product of two bf16 numbers is exact in fp32), the
+// same prefetch as above, nothing to decode. Every output element is one accumulation chain over k in the
+// same order whatever the block shape.
 
-ALWAYS_INLINE void bf16_pass(const int NR, const int MB, const uint16_t* xb, int64_t K, const uint8_t* tile,
-                             const uint8_t* pf, float* out) {
+ALWAYS_INLINE void bf16_pass(const int NR, const int MB, const uint16_t* xb, int64_t K, const uint16_t* const* rows,
+                             const uint16_t* next, float* out) {
     __m512 acc[NR_MAX][MBB_MAX];
 #pragma GCC unroll 16
     for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
         for (int i = 0; i < MB; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t k = 0, c = 0; k < K; k += 32, c += TILE_CHUNK_BYTES) {
+    for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 mask = K - k >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (K - k)) - 1);
         __m512bh wv[NR_MAX];
 #pragma GCC unroll 16
         for (int r = 0; r < NR; r++) {
-            _mm_prefetch((const char*)(pf + c + r * CHUNK_BYTES), PF_HINT);
-            wv[r] = (__m512bh)_mm512_loadu_si512(tile + c + r * CHUNK_BYTES);  // zeros past K
+            _mm_prefetch((const char*)(next + r * K + k), PF_HINT);
+            wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[r] + k);
         }
 #pragma GCC unroll 4
         for (int i = 0; i < MB; i++) {
@@ -330,68 +335,52 @@ ALWAYS_INLINE void bf16_pass(const int NR, const int MB, const uint16_t* xb, int
         for (int i = 0; i < MB; i++) out[i * NR + r] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-// Output channels [n0, n0 + 16) of a tile block for all M rows. The first row streams the block from memory
-// in one pass (one sequential stream, as for a single token); the others then take 4 x 4 register blocks
-// over its 4-row slices, from L2. (4 x 4 passes straight from memory read each 1 KB chunk in 256-byte
-// pieces: ~15-25% slower at 4-9 rows than row-major weights.)
-ALWAYS_INLINE void bf16_block(const uint16_t* xb, int64_t M, int64_t K, const void* w, const uint16_t* bias,
-                              int64_t n0, int64_t N, void* y, int y_is_f32) {
-    const int64_t rbp = (2 * K + CHUNK_BYTES - 1) / CHUNK_BYTES * CHUNK_BYTES;
-    const uint8_t* tile = tile_at(w, rbp, n0);
+// Output channels [n0, n0 + NR) for all M rows, MBB_MAX rows per pass (NR is a constant after inlining).
+ALWAYS_INLINE void bf16_block(const int NR, const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w,
+                              const uint16_t* bias, int64_t n0, int64_t N, void* y, int y_is_f32) {
+    const uint16_t* rows[NR_MAX];
+    for (int r = 0; r < NR; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last row
+    const uint16_t* next = w + prefetch_row(n0, NR, N, 2 * K) * K;
     float out[MBB_MAX * NR_MAX];
-    bf16_pass(NR_ONE, 1, xb, K, tile, tile + PF_AHEAD, out);
-    for (int r = 0; r < NR_ONE && n0 + r < N; r++)
-        store(y, y_is_f32, n0 + r, out[r] + (bias ? bf16_to_f32(bias[n0 + r]) : 0.0f));
-    for (int s = 0; s < NR_ONE; s += NR_MANY) {
-        const uint8_t* slice = tile + s * CHUNK_BYTES;
-        const uint8_t* pf = slice + TILE_ROWS * rbp;  // the same slice of the next block, while this one computes
-        for (int64_t m0 = 1; m0 < M; m0 += MBB_MAX) {
-            const int mb = M - m0 < MBB_MAX ? (int)(M - m0) : MBB_MAX;
-            const uint16_t* xm = xb + m0 * K;
-            switch (mb) {  // constant row counts: the accumulators stay in registers
-                case 1: bf16_pass(NR_MANY, 1, xm, K, slice, pf, out); break;
-                case 2: bf16_pass(NR_MANY, 2, xm, K, slice, pf, out); break;
-                case 3: bf16_pass(NR_MANY, 3, xm, K, slice, pf, out); break;
-                default: bf16_pass(NR_MANY, 4, xm, K, slice, pf, out); break;
-            }
-            for (int r = 0; r < NR_MANY && n0 + s + r < N; r++) {
-                const int64_t n = n0 + s + r;
-                const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
-                for (int i = 0; i < mb; i++) store(y, y_is_f32, (m0 + i) * N + n, out[i * NR_MANY + r] + b);
-            }
+    for (int64_t m0 = 0; m0 < M; m0 += MBB_MAX) {
+        const int mb = M - m0 < MBB_MAX ? (int)(M - m0) : MBB_MAX;
+        const uint16_t* xm = xb + m0 * K;
+        switch (mb) {  // constant row counts: the accumulators stay in registers
+            case 1: bf16_pass(NR, 1, xm, K, rows, next, out); break;
+            case 2: bf16_pass(NR, 2, xm, K, rows, next, out); break;
+            case 3: bf16_pass(NR, 3, xm, K, rows, next, out); break;
+            default: bf16_pass(NR, 4, xm, K, rows, next, out); break;
+        }
+        for (int r = 0; r < NR && n0 + r < N; r++) {
+            const float b = bias ? bf16_to_f32(bias[n0 + r]) : 0.0f;
+            for (int i = 0; i < mb; i++) store(y, y_is_f32, (m0 + i) * N + n0 + r, out[i * NR + r] + b);
         }
     }
 }
 
-TARGET static void bf16_block_one(const uint16_t* xb, int64_t K, const void* w, const uint16_t* bias,
+TARGET static void bf16_block_one(const uint16_t* xb, int64_t K, const uint16_t* w, const uint16_t* bias,
                                   int64_t n0, int64_t N, void* y, int y_is_f32) {
-    bf16_block(xb, 1, K, w, bias, n0, N, y, y_is_f32);
+    bf16_block(NR_ONE, xb, 1, K, w, bias, n0, N, y, y_is_f32);
 }
 
-TARGET static void bf16_block_many(const uint16_t* xb, int64_t M, int64_t K, const void* w,
+TARGET static void bf16_block_many(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w,
                                    const uint16_t* bias, int64_t n0, int64_t N, void* y, int y_is_f32) {
-    bf16_block(xb, M, K, w, bias, n0, N, y, y_is_f32);
+    bf16_block(NR_MANY, xb, M, K, w, bias, n0, N, y, y_is_f32);
 }
 
-// y = x w^T + bias (bf16 [N], or NULL), w tiled bf16, x as bf16 (fp32 inputs rounded to bf16 first), fp32
-// accumulation.
-TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const void* w, const uint16_t* bias,
+// y = x w^T + bias (bf16 [N], or NULL), x as bf16 (fp32 inputs rounded to bf16 first), fp32 accumulation.
+TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias,
                       int64_t N, void* y, int y_is_f32, int threads) {
     uint16_t* copy = bf16_rows(x, x_is_f32, M, K);
     const uint16_t* xb = copy ? copy : (const uint16_t*)x;
-    const int64_t blocks = (N + TILE_ROWS - 1) / TILE_ROWS;
-    // A prompt's rows go in sweeps of SWEEP_ROWS over the weights: its inputs then stay in L2.
-    for (int64_t m0 = 0; m0 < M; m0 += SWEEP_ROWS) {
-        const int64_t mc = M - m0 < SWEEP_ROWS ? M - m0 : SWEEP_ROWS;
-        const uint16_t* xm = xb + m0 * K;
-        char* ym = (char*)y + m0 * N * (y_is_f32 ? 4 : 2);
+    const int64_t nr = M == 1 ? NR_ONE : NR_MANY;
+    const int64_t blocks = (N + nr - 1) / nr;
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t b = 0; b < blocks; b++) {
-            if (mc == 1)
-                bf16_block_one(xm, K, w, bias, b * TILE_ROWS, N, ym, y_is_f32);
-            else
-                bf16_block_many(xm, mc, K, w, bias, b * TILE_ROWS, N, ym, y_is_f32);
-        }
+    for (int64_t b = 0; b < blocks; b++) {
+        if (M == 1)
+            bf16_block_one(xb, K, w, bias, b * nr, N, y, y_is_f32);
+        else
+            bf16_block_many(xb, M, K, w, bias, b * nr, N, y, y_is_f32);
     }
     free(copy);
 }
