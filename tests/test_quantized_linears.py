@@ -235,3 +235,24 @@ def test_quantized_target_speculative_equals_plain(
     for o in outs:
         m = o.metrics
         assert m["output_tokens"] == MAX_TOKENS and m["steps"] + m["accepted_tokens"] == MAX_TOKENS
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int8-dynamic", "int4-hybrid"])
+def test_quantizing_conversion_keeps_no_loaded_tensor(tiny_qwen_dir, fmt: str) -> None:  # noqa: ANN001
+    """After a quantizing conversion no tensor of the model shares memory with what was loaded (the weights
+    file's memory map): one leftover (a norm, a bias, the embeddings) would keep the whole file resident."""
+    from specdecode.model.fast_linear import convert_linears
+    from specdecode.model.load import load_model
+
+    def storage(t: torch.Tensor) -> int | None:
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # opaque (mkldnn-packed) tensors
+            return None
+
+    model = load_model(tiny_qwen_dir, "bf16", "cpu").model
+    originals = [p.detach() for p in model.parameters()]  # kept alive: their addresses cannot be reused
+    convert_linears(model, fmt)  # type: ignore[arg-type]
+    held = [t for m in model.modules() for t in [*m.parameters(recurse=False), *vars(m).values()]
+            if isinstance(t, torch.Tensor)]
+    assert held and not {storage(t) for t in held} & {storage(t) for t in originals}

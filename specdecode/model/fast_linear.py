@@ -63,7 +63,7 @@ class BF16Linear(nn.Module):
             self.weight = w.contiguous()  # [N, K]
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()  # own copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.native:
@@ -87,7 +87,7 @@ class Int8WeightLinear(nn.Module):
         scales = (w.abs().amax(dim=1).clamp(min=1e-8) / 127.0).to(torch.bfloat16)  # [N]
         self.weight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.scales = scales
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()  # own copy
         self.native = _native(native)
 
     def dequantized(self) -> torch.Tensor:
@@ -167,7 +167,7 @@ class Int8DynamicLinear(nn.Module):
             self.packed_nbytes = q.numel() * q.element_size()  # for the bandwidth report: not a tensor
             self.qmax = _activation_qmax()
         self.scales = scales
-        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.bias = None if linear.bias is None else linear.bias.detach().float().clone()  # own copy
 
     def dequantized(self) -> torch.Tensor:
         if self.native:
@@ -209,7 +209,7 @@ class Int4WeightLinear(nn.Module):
         elif native and k % native_kernels.INT4_GROUP:
             raise ValueError(f"in_features {k} is not a multiple of the int4 group size {native_kernels.INT4_GROUP}")
         self.native = _native(native)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()  # own copy
         if self.native:
             self._init_native(linear.weight.detach().float())
         else:
@@ -320,22 +320,18 @@ def convert_linears(model: nn.Module, fmt: LinearFormat, native: bool | None = N
         for child_name in [n for n, c in module.named_children() if isinstance(c, nn.Linear)]:
             setattr(module, child_name, make(getattr(module, child_name)))
     if fmt != "bf16":  # bf16 keeps the loaded weights themselves (mapped from the file): nothing to free
-        _own_remaining_tensors(model)
+        _own_remaining_parameters(model)
     return model
 
 
-def _own_remaining_tensors(model: nn.Module) -> None:
-    """Copy what a quantizing conversion left in place (embeddings, norms, biases) out of the loaded file's
-    memory map: while one tensor of it lives, the whole file stays mapped and resident next to the new
-    weights (3.1 GB more for the 1.5B target)."""
+def _own_remaining_parameters(model: nn.Module) -> None:
+    """Copy the parameters a quantizing conversion left in place (embeddings, norms) out of the weights file's
+    memory map (the formats copy their own biases): while one loaded tensor lives, the whole file stays
+    mapped and resident next to the new weights (3.1 GB more for the 1.5B target)."""
     with torch.no_grad():
-        for module in model.modules():
-            for p in module.parameters(recurse=False):
-                if p.device.type == "cpu":
-                    p.data = p.data.clone()
-            for name, value in list(vars(module).items()):
-                if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not name.startswith("_"):
-                    setattr(module, name, value.clone())
+        for p in model.parameters():
+            if p.device.type == "cpu":
+                p.data = p.data.clone()
 
 
 def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormat:
