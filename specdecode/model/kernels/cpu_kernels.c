@@ -1,5 +1,6 @@
-// GEMMs for a few rows of activations (decode and verification), AVX512-BF16: weight-only int8 / int4, and
-// the model's own bf16 weights (at the end).
+// GEMMs for a few rows of activations (decode and verification), AVX512-BF16 / VNNI: weight-only int8 /
+// int4, the model's own bf16 weights and int8 x int8 (int8-dynamic); then RMSNorm, attention, rope and
+// SiLU-times-up for bf16 forwards of a few rows.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] with x in bf16 (fp32 inputs are rounded to bf16 first, as torch's
 // weight-only kernels do) and fp32 accumulation. A block of 4 output channels is decoded once per 2 rows
@@ -386,7 +387,7 @@ TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const u
 }
 
 // ---- int8 x int8 (int8-dynamic) ------------------------------------------------------------------
-// int8 weights q [N, K] (row-major) with an fp32 scale per output channel, times activations quantized
+// int8 weights q [N, K] (tiled, above) with an fp32 scale per output channel, times activations quantized
 // per row here: scale = max|x| / qmax, u = round(x / scale) + 128 as unsigned bytes. vpdpbusd sums 64
 // u8 x s8 products per instruction into int32 (exact); subtracting 128 * sum(q[n]) gives the integer
 // dot product of the signed values, exact. y = float(dot) * wscale[n] * xscale (+ bias), the order of
