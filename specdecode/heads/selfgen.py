@@ -123,9 +123,11 @@ def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_
     answered: dict[str, Messages] = {}
     if out_jsonl.exists():
         for line in out_jsonl.read_text().splitlines():
-            if line.strip():
+            try:
                 conv = json.loads(line)
-                answered[conv[0]["content"]] = conv
+            except json.JSONDecodeError:  # empty, or cut short by a kill mid-write: answered again
+                continue
+            answered[conv[0]["content"]] = conv
     todo = [r for r in dict.fromkeys(requests) if r not in answered]
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     out_jsonl.parent.mkdir(parents=True, exist_ok=True)
