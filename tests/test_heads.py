@@ -193,3 +193,21 @@ def test_diverse_requests_and_batched_answers(tiny_llama_dir: Path, tmp_path: Pa
     one = self_distilled_conversations(llm, short, tmp_path / "one.jsonl", max_tokens=6)
     batched = self_distilled_conversations(llm, short, tmp_path / "batched.jsonl", max_tokens=6, batch=3)
     assert batched == one and [c[0]["content"] for c in batched] == short
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8-dynamic"])
+def test_train_head_data_only_with_batched_self_distillation(tiny_llama_dir: Path, tmp_path: Path,
+                                                             quantization: str) -> None:
+    """`train-head --data-only` writes corpus features and the self-distilled answers' features (answered
+    in batches, on either target format; features always from the bf16 target), then stops."""
+    from specdecode.cli import main
+
+    data = tmp_path / "data"
+    rc = main(["train-head", "--target", str(tiny_llama_dir), "--out", str(tmp_path / "head"), "--data-dir", str(data),
+               "--data-tokens", "256", "--self-distill", "3", "--self-distill-requests", "diverse",
+               "--self-distill-batch", "2", "--self-distill-quantization", quantization, "--data-only",
+               "--threads", "1"])
+    assert rc == 0 and not (tmp_path / "head").exists()
+    assert len((data / "self-answers-diverse-3.jsonl").read_text().splitlines()) == 3
+    shards = sorted((data / "self-diverse-3").glob("shard-*.safetensors"))
+    assert shards and load_shard(shards[0]).hidden.shape[-1] == 64

@@ -70,15 +70,21 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint
     tag = f"diverse-{n}" if diverse else str(n)
     llm = LLM(args.target, speculative_config=spec, quantization=args.self_distill_quantization, max_model_len=4096)
     convs = self_distilled_conversations(llm, requests, data_dir / f"self-answers-{tag}.jsonl", batch=batch)
-    del llm
-    gc.collect()
-    loaded = load_model(args.target, "bf16")  # features from the target as it is, whatever answered
-    convert_linears(loaded.model, target_linear_format("none", loaded.model.dtype, loaded.model.device))
-    total = sum(len(conversation_ids(loaded.tokenizer, c)) for c in convs)
-    shards = generate_features(loaded.model, loaded.tokenizer, data_dir / f"self-{tag}", total,
-                               fingerprint=fingerprint, conversations=convs, source="self-distilled")
-    del loaded
-    gc.collect()
+    if args.self_distill_quantization == "none":  # the answering target is the bf16 one: reuse it
+        target, tokenizer = llm.target.model, llm.tokenizer
+        del llm
+    else:  # features come from the target as it is, whatever answered
+        del llm
+        gc.collect()
+        loaded = load_model(args.target, "bf16")
+        target, tokenizer = loaded.model, loaded.tokenizer
+        del loaded
+        convert_linears(target, target_linear_format("none", target.dtype, target.device))
+    total = sum(len(conversation_ids(tokenizer, c)) for c in convs)
+    shards = generate_features(target, tokenizer, data_dir / f"self-{tag}", total, fingerprint=fingerprint,
+                               conversations=convs, source="self-distilled")
+    del target, tokenizer
+    gc.collect()  # free the answering engine (or the reloaded target) before training loads its own
     return shards
 
 

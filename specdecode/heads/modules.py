@@ -30,7 +30,8 @@ class DraftHead(nn.Module):
         self.lm_head.weight.requires_grad_(False)
         self.target_vocab_size = 0
         # The target's decoder body, for its embeddings (in a list: not a submodule of the head). Looked up at
-        # each call, so a conversion of the target (a new table, tiles) is followed.
+        # each call, so the copy a quantizing conversion makes of the table is followed (a stored tensor would
+        # keep the old one, and with it the whole weights file, in memory).
         self._target_body: list[nn.Module] = []
 
     @property
