@@ -22,7 +22,7 @@ from specdecode.heads.features import conversation_ids, generate_features, shard
 from specdecode.heads.fingerprint import target_fingerprint
 from specdecode.heads.persist import load_head
 from specdecode.heads.shipped import shipped_head
-from specdecode.heads.train import Corpus, TrainOptions, _batch, _eagle_loss
+from specdecode.heads.train import Corpus, TrainOptions, eagle_loss, window_batch
 from specdecode.model.load import load_model
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -36,7 +36,7 @@ def top1(head, shards: list[Path], windows: int) -> float:  # noqa: ANN001 - an 
     t2d = torch.full((head.target_vocab_size,), -1, dtype=torch.long)
     t2d[head.d2t] = torch.arange(len(head.d2t))
     opts = TrainOptions(feature_noise=0.0)
-    scores = [_eagle_loss(head, _batch(corpus, [w]), t2d, opts, torch.Generator(), torch.ones(1))[1]["top1"]
+    scores = [eagle_loss(head, window_batch(corpus, [w]), t2d, opts, torch.Generator(), torch.ones(1))[1]["top1"]
               for w in picks]
     return sum(scores) / len(scores)
 

@@ -30,8 +30,9 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
     save_head(new_head(target, "eagle", torch.arange(target.config.vocab_size)), tmp_path / "head")
     rc = main([
-        "bench", "--model", str(tiny_llama_dir), "--draft", str(tiny_llama_dir), "--head", str(tmp_path / "head"),
-        "--methods", "plain,ngram,draft,eagle,eagle-chain,plain@int8-dynamic",
+        "bench", "--model", str(tiny_llama_dir), "--draft", str(tiny_llama_dir), "--head",
+        f"{tmp_path / 'head'},v2={tmp_path / 'head'}",  # the same head under a label: eagle:v2
+        "--methods", "plain,ngram,draft,eagle,eagle-chain,plain@int8-dynamic,eagle:v2",
         "--dataset", str(data), "--per-task", "2", "--max-tokens", "8", "--dtype", "fp32",
         "--peers", "transformers,llama.cpp", "--bandwidth-gb", "0.05", "--no-progress", "--out", str(out),
     ])
@@ -41,7 +42,7 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     ours = [r for r in records if r["engine"] == "specdecode"]
-    assert len(ours) == 6 * 4
+    assert len(ours) == 7 * 4
     for r in records:
         for key in ("method", "task", "prompt_index", "prompt_tokens", "output_tokens", "seconds",
                     "tokens_per_second", "steps", "mean_accepted_length", "acceptance_rate", "token_ids"):
@@ -82,6 +83,8 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert "### Memory floor by target format" in md
     assert "## Comparison table" in md and "| eagle | EAGLE-style head, dynamic tree |" in md
     assert "| eagle-chain | EAGLE-style head, chain |" in md
+    assert "| eagle:v2 | EAGLE-style head v2, dynamic tree |" in md
+    assert s["by_method"]["eagle:v2"]["overall"]["identical_rate"] == 1.0
     assert "| plain@int8-dynamic | autoregressive (no speculation), int8-dynamic target |" in md
     res = s["by_method"]["eagle"]["resources"]
     assert res["speculation_bytes"] > 0 and res["target_weight_bytes"] > 0

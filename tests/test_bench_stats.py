@@ -135,6 +135,13 @@ def test_parse_method():
         parse_method("medusa", "d", {"eagle": "e"})
     with pytest.raises(ValueError):
         parse_method("ngram-tree", None)
+    labelled = parse_method("eagle-nolookup:v4@int8", None, {"eagle": "e", "eagle:v4": "v4dir"})
+    assert labelled.name == "eagle-nolookup:v4@int8" and labelled.quantization == "int8"
+    assert labelled.speculative_config["model"] == "v4dir"
+    with pytest.raises(ValueError, match="--head v5=DIR"):
+        parse_method("eagle:v5", None, {"eagle": "e"})
+    with pytest.raises(ValueError, match="head label"):
+        parse_method("ngram:v4", None)
     q = parse_method("draft-k4@int8-dynamic", "d")
     assert (q.name, q.quantization, q.speculative_config["num_speculative_tokens"]) == ("draft-k4@int8-dynamic",
                                                                                         "int8-dynamic", 4)

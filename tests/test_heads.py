@@ -204,7 +204,7 @@ def test_train_head_data_only_with_batched_self_distillation(tiny_llama_dir: Pat
 
     data = tmp_path / "data"
     rc = main(["train-head", "--target", str(tiny_llama_dir), "--out", str(tmp_path / "head"), "--data-dir", str(data),
-               "--data-tokens", "256", "--self-distill", "3", "--self-distill-requests", "diverse",
+               "--data-tokens", "256", "--self-distill-diverse", "3",
                "--self-distill-batch", "2", "--self-distill-quantization", quantization, "--data-only",
                "--threads", "1"])
     assert rc == 0 and not (tmp_path / "head").exists()

@@ -40,7 +40,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "with a Medusa --head), --draft qwen2.5-coder-0.5b-instruct unless given; see summary.md")
     b.add_argument("--head", type=_csv, default=[],
                    help="trained head directories for the eagle/medusa methods (comma list; the kind is read from "
-                        "each head's config; default: the head shipped for the target, if any)")
+                        "each head's config; default: the head shipped for the target, if any); LABEL=DIR names "
+                        "a head for methods like eagle:LABEL, to compare heads in one run")
     b.add_argument("--dataset", default="spec_bench",
                    help=f"one of {', '.join(DATASETS)}, several joined with + (spec_bench+humaneval), or a path "
                         "to a .jsonl file (default: %(default)s)")
@@ -119,8 +120,10 @@ def _heads_by_kind(paths: list[str], target: str) -> dict[str, str]:
     from specdecode.heads.shipped import shipped_head
 
     heads = {kind: str(p) for kind in ("eagle", "medusa") if (p := shipped_head(target, kind)) is not None}
-    for path in paths:
-        heads[read_head_config(Path(path).expanduser()).kind] = path
+    for entry in paths:
+        label, _, path = entry.rpartition("=")  # LABEL=DIR names a head for methods like eagle:LABEL
+        kind = read_head_config(Path(path).expanduser()).kind
+        heads[f"{kind}:{label}" if label else kind] = path
     return heads
 
 

@@ -11,6 +11,7 @@ METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive
                "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default), -wN a tree "
                "keeping N nodes per level (e.g. eagle-w2-k4: at most 8 nodes, like the chain eagle-chain-k8); "
                "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; "
+               ":LABEL uses the head given as --head LABEL=DIR (eagle:v4; compares heads in one run); "
                "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4; default exact)")
 TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
 """Target formats a method may name after "@" (model/fast_linear.py's QUANTIZATIONS)."""
@@ -35,11 +36,15 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
             raise ValueError(f"unknown target format {quant!r} in {name!r}; use one of {choices}")
         spec = parse_method(base, draft, heads)
         return MethodSpec(name, spec.speculative_config, quant)
+    name, _, label = name.partition(":")
     m = _METHOD_RE.match(name)
     if (m is None or (m.group(1) in ("plain", "ngram") and m.group(2)) or (m.group(1) == "plain" and m.group(4))
             or (m.group(3) and m.group(1) not in ("draft", "eagle", "medusa"))):
         raise ValueError(f"unknown method {name!r}: {METHOD_HELP}")
     kind, shape, nolookup, k = m.groups()
+    if label and kind not in ("eagle", "medusa"):
+        raise ValueError(f"method {name!r}: only eagle and medusa take a head label (:{label})")
+    full_name = f"{name}:{label}" if label else name
     if kind == "plain":
         return MethodSpec(name, None)
     cfg: dict[str, Any] = {"method": kind, "num_speculative_tokens": int(k) if k is not None else "auto"}
@@ -48,13 +53,15 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
             raise ValueError(f"method {name!r} needs --draft MODEL")
         cfg["model"] = draft
     if kind in ("eagle", "medusa"):
-        head = (heads or {}).get(kind)
+        key = f"{kind}:{label}" if label else kind
+        head = (heads or {}).get(key)
         if not head:
-            raise ValueError(f"method {name!r} needs --head DIR (a trained {kind} head)")
+            how = f"--head {label}=DIR" if label else "--head DIR"
+            raise ValueError(f"method {full_name!r} needs {how} (a trained {kind} head)")
         cfg["model"] = head
     if shape is not None:
         widths = {"-chain": 1, "-tree": 0}
         cfg["draft_tree_width"] = widths[shape] if shape in widths else int(shape[2:])
     if nolookup:
         cfg["draft_prompt_lookup"] = False
-    return MethodSpec(name, cfg)
+    return MethodSpec(full_name, cfg)

@@ -97,8 +97,9 @@ _FAMILIES = {"plain": "autoregressive (no speculation)", "ngram": "n-gram prompt
 
 def _family(method: str, config: dict[str, Any] | None) -> str:
     base, _, quant = method.partition("@")
+    base, _, label = base.partition(":")
     kind = base.split("-")[0]
-    name = _FAMILIES.get(kind, kind)
+    name = _FAMILIES.get(kind, kind) + (f" {label}" if label else "")
     if kind in ("draft", "eagle", "medusa"):
         width = (config or {}).get("draft_tree_width")
         tree = width != 1 if kind != "draft" else width not in (None, 1)

@@ -23,9 +23,10 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
                         "256 tokens each; cached and resumable)")
     p.add_argument("--self-distill-draft", default=None,
                    help="draft model that speeds up generating those answers (default: n-gram lookup)")
-    p.add_argument("--self-distill-requests", choices=["corpus", "diverse"], default="corpus",
-                   help="corpus: code tasks and documentation questions; diverse: translation, word problems, "
-                        "explanations, advice, letters, summaries, passage questions (selfgen.diverse_requests)")
+    p.add_argument("--self-distill-diverse", type=int, default=0, metavar="N",
+                   help="also train on the target's own answers to N diverse requests: translation, word problems, "
+                        "explanations, advice, letters, summaries, passage questions (selfgen.diverse_requests); "
+                        "combines with --self-distill")
     p.add_argument("--self-distill-batch", type=int, default=1, metavar="B",
                    help="answer B requests at once with continuous batching (plain decoding, no draft)")
     p.add_argument("--self-distill-quantization", choices=["none", "int8-dynamic"], default="none",
@@ -51,23 +52,22 @@ def default_data_dir(target: str) -> Path:
     return models_home() / "head-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(target).name)
 
 
-def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint: dict) -> list[Path]:
+def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint: dict, tag: str,
+                           requests: list[str]) -> list[Path]:
+    """Answers to `requests` by the target (cached in self-answers-<tag>.jsonl), then their features (self-<tag>)."""
     import gc
 
     from specdecode import LLM
     from specdecode.heads.features import conversation_ids, generate_features
-    from specdecode.heads.selfgen import diverse_requests, self_distill_requests, self_distilled_conversations
+    from specdecode.heads.selfgen import self_distilled_conversations
     from specdecode.model.fast_linear import convert_linears, target_linear_format
     from specdecode.model.load import load_model
 
-    n, batch = args.self_distill, args.self_distill_batch
+    batch = args.self_distill_batch
     if batch > 1:
         spec = None  # under a full batch, speculation backs off anyway
     else:
         spec = {"method": "draft", "model": args.self_distill_draft} if args.self_distill_draft else {"method": "ngram"}
-    diverse = args.self_distill_requests == "diverse"
-    requests = diverse_requests(n) if diverse else self_distill_requests(n)
-    tag = f"diverse-{n}" if diverse else str(n)
     llm = LLM(args.target, speculative_config=spec, quantization=args.self_distill_quantization, max_model_len=4096)
     convs = self_distilled_conversations(llm, requests, data_dir / f"self-answers-{tag}.jsonl", batch=batch)
     if args.self_distill_quantization == "none":  # the answering target is the bf16 one: reuse it
@@ -107,8 +107,14 @@ def run_train_head(args: argparse.Namespace) -> int:
     convert_linears(loaded.model, target_linear_format("none", loaded.model.dtype, loaded.model.device))
     shards = generate_features(loaded.model, tok, data_dir, args.data_tokens, fingerprint=fingerprint)
     del loaded
+    from specdecode.heads.selfgen import diverse_requests, self_distill_requests
+
     if args.self_distill > 0:
-        shards += _self_distilled_shards(args, data_dir, fingerprint)
+        shards += _self_distilled_shards(args, data_dir, fingerprint, str(args.self_distill),
+                                         self_distill_requests(args.self_distill))
+    if args.self_distill_diverse > 0:
+        n = args.self_distill_diverse
+        shards += _self_distilled_shards(args, data_dir, fingerprint, f"diverse-{n}", diverse_requests(n))
     if args.data_only:
         print(f"{len(shards)} shards of training data in {data_dir}")
         return 0

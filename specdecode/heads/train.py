@@ -86,7 +86,7 @@ def choose_draft_vocab(target_next: torch.Tensor, vocab_size: int, size: int, al
     return counts.topk(size).indices.sort().values
 
 
-def _batch(corpus: Corpus, picks: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+def window_batch(corpus: Corpus, picks: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
     """Pad windows to one length: features, tokens, next features, labels, mask."""
     length = max(b - a for a, b in picks) - 1
     d = corpus.hidden.shape[1]
@@ -119,7 +119,7 @@ def _eagle_step_loss(head: EagleHead, pred: torch.Tensor, nxt_feats: torch.Tenso
     return reg + opts.ce_weight * ce, reg.item(), ce.item(), acc.item()
 
 
-def _eagle_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
+def eagle_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
                 gen: torch.Generator, feature_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """Step 1 on the target's (noisy) features; each further unrolled step feeds the previous step's
     predictions back as features, as drafting does (the head learns to continue from its own guesses)."""
@@ -143,7 +143,7 @@ def _eagle_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], t2d: torch.Ten
     return total, stats
 
 
-def _medusa_loss(head: MedusaHeads, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
+def medusa_loss(head: MedusaHeads, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
                  gen: torch.Generator, feature_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     feats, _, _, labels, mask = batch  # labels[:, j] = target's token after position j + 1
     total = torch.zeros(())
@@ -205,7 +205,7 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
         tmp.rename(ckpt_path)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    loss_fn = _eagle_loss if opts.kind == "eagle" else _medusa_loss
+    loss_fn = eagle_loss if opts.kind == "eagle" else medusa_loss
     # Per-dimension spread of the target's features (a sample of positions is plenty).
     sample = corpus.hidden[:: max(1, len(corpus.hidden) // 20000)].float()
     feature_scale = sample.std(0).clamp(min=1e-3) if opts.normalize_regression else torch.ones(sample.shape[1])
@@ -227,7 +227,7 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=target.device.type == "cpu"):
-            loss, last = loss_fn(head, _batch(corpus, picks), t2d, opts, gen, feature_scale)  # type: ignore[arg-type]
+            loss, last = loss_fn(head, window_batch(corpus, picks), t2d, opts, gen, feature_scale)  # type: ignore[arg-type]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
