@@ -195,6 +195,23 @@ def test_diverse_requests_and_batched_answers(tiny_llama_dir: Path, tmp_path: Pa
     assert batched == one and [c[0]["content"] for c in batched] == short
 
 
+def test_back_translation_requests() -> None:
+    """Answers to "Translate into X:" become "Translate X to English:" requests; other answers, empty or
+    essay-like ones, and repeats are left out."""
+    from specdecode.heads.selfgen import back_translation_requests
+
+    def conv(request: str, answer: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": request}, {"role": "assistant", "content": answer}]
+
+    convs = [conv("Translate into German:\nThe cat sleeps.", "Die Katze schläft."),
+             conv("Translate into French:\nIt rains.", " "),
+             conv("Translate into Dutch:\nA.", "1\n2\n3\n4\n5"),
+             conv("Translate into German:\nB.", "lang " * 200),
+             conv("Explain DNA in simple terms.", "DNA is ..."),
+             conv("Translate into German:\nThe cat sleeps!", "Die Katze schläft.")]
+    assert back_translation_requests(convs) == ["Translate German to English: Die Katze schläft."]
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8-dynamic"])
 def test_train_head_data_only_with_batched_self_distillation(tiny_llama_dir: Path, tmp_path: Path,
                                                              quantization: str) -> None:

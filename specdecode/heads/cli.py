@@ -52,14 +52,15 @@ def default_data_dir(target: str) -> Path:
     return models_home() / "head-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(target).name)
 
 
-def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint: dict, tag: str,
-                           requests: list[str]) -> list[Path]:
-    """Answers to `requests` by the target (cached in self-answers-<tag>.jsonl), then their features (self-<tag>)."""
+def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint: dict,
+                           request_sets: dict[str, list[str]]) -> list[Path]:
+    """The target's answers to each set of requests (cached in self-answers-<tag>.jsonl; a diverse set is
+    followed by back-translations of its translations, tag <tag>-back), then their features (self-<tag>)."""
     import gc
 
     from specdecode import LLM
     from specdecode.heads.features import conversation_ids, generate_features
-    from specdecode.heads.selfgen import self_distilled_conversations
+    from specdecode.heads.selfgen import back_translation_requests, self_distilled_conversations
     from specdecode.model.fast_linear import convert_linears, target_linear_format
     from specdecode.model.load import load_model
 
@@ -69,7 +70,13 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint
     else:
         spec = {"method": "draft", "model": args.self_distill_draft} if args.self_distill_draft else {"method": "ngram"}
     llm = LLM(args.target, speculative_config=spec, quantization=args.self_distill_quantization, max_model_len=4096)
-    convs = self_distilled_conversations(llm, requests, data_dir / f"self-answers-{tag}.jsonl", batch=batch)
+    answered: dict[str, list] = {}
+    for tag, requests in request_sets.items():
+        answered[tag] = self_distilled_conversations(llm, requests, data_dir / f"self-answers-{tag}.jsonl",
+                                                     batch=batch)
+        if tag.startswith("diverse-") and (back := back_translation_requests(answered[tag])):
+            answered[f"{tag}-back"] = self_distilled_conversations(
+                llm, back, data_dir / f"self-answers-{tag}-back.jsonl", batch=batch)
     if args.self_distill_quantization == "none":  # the answering target is the bf16 one: reuse it
         target, tokenizer = llm.target.model, llm.tokenizer
         del llm
@@ -80,9 +87,11 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint
         target, tokenizer = loaded.model, loaded.tokenizer
         del loaded
         convert_linears(target, target_linear_format("none", target.dtype, target.device))
-    total = sum(len(conversation_ids(tokenizer, c)) for c in convs)
-    shards = generate_features(target, tokenizer, data_dir / f"self-{tag}", total, fingerprint=fingerprint,
-                               conversations=convs, source="self-distilled")
+    shards: list[Path] = []
+    for tag, convs in answered.items():
+        total = sum(len(conversation_ids(tokenizer, c)) for c in convs)
+        shards += generate_features(target, tokenizer, data_dir / f"self-{tag}", total, fingerprint=fingerprint,
+                                    conversations=convs, source="self-distilled")
     del target, tokenizer
     gc.collect()  # free the answering engine (or the reloaded target) before training loads its own
     return shards
@@ -93,6 +102,7 @@ def run_train_head(args: argparse.Namespace) -> int:
 
     from specdecode.heads.features import generate_features
     from specdecode.heads.fingerprint import target_fingerprint
+    from specdecode.heads.selfgen import diverse_requests, self_distill_requests
     from specdecode.heads.train import TrainOptions, train_head
     from specdecode.model.fast_linear import convert_linears, target_linear_format
     from specdecode.model.load import load_model
@@ -107,14 +117,13 @@ def run_train_head(args: argparse.Namespace) -> int:
     convert_linears(loaded.model, target_linear_format("none", loaded.model.dtype, loaded.model.device))
     shards = generate_features(loaded.model, tok, data_dir, args.data_tokens, fingerprint=fingerprint)
     del loaded
-    from specdecode.heads.selfgen import diverse_requests, self_distill_requests
-
+    request_sets = {}
     if args.self_distill > 0:
-        shards += _self_distilled_shards(args, data_dir, fingerprint, str(args.self_distill),
-                                         self_distill_requests(args.self_distill))
+        request_sets[str(args.self_distill)] = self_distill_requests(args.self_distill)
     if args.self_distill_diverse > 0:
-        n = args.self_distill_diverse
-        shards += _self_distilled_shards(args, data_dir, fingerprint, f"diverse-{n}", diverse_requests(n))
+        request_sets[f"diverse-{args.self_distill_diverse}"] = diverse_requests(args.self_distill_diverse)
+    if request_sets:
+        shards += _self_distilled_shards(args, data_dir, fingerprint, request_sets)
     if args.data_only:
         print(f"{len(shards)} shards of training data in {data_dir}")
         return 0

@@ -113,10 +113,27 @@ def diverse_requests(count: int, seed: int = 2) -> list[str]:
     return out
 
 
+_TRANSLATE_INTO = re.compile(r"^Translate into (\w+):\n")
+
+
+def back_translation_requests(conversations: list[Messages]) -> list[str]:
+    """Requests to translate the target's own translations (answers to "Translate into LANGUAGE:") back
+    into English, in the form "Translate LANGUAGE to English: TEXT": the corpus has no foreign text of its
+    own, and translating into English is what chat users most often ask for."""
+    out = []
+    for conv in conversations:
+        m = _TRANSLATE_INTO.match(conv[0]["content"])
+        answer = conv[-1]["content"].strip()
+        # A translation of one sentence, not an essay about one (or a runaway answer).
+        if m and answer and len(answer.split("\n")) <= 3 and len(answer) <= 600:
+            out.append(f"Translate {m.group(1)} to English: {answer}")
+    return list(dict.fromkeys(out))
+
+
 def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_tokens: int = 256,  # noqa: ANN001
                                  batch: int = 1) -> list[Messages]:
     """The target's greedy answers to `requests` (an LLM), cached in out_jsonl (resumable: answered requests
-    are skipped), in request order. `batch` > 1 answers that many at once with the continuous-batching
+    are skipped), in request order (a request longer than the context is left out). `batch` > 1 answers that many at once with the continuous-batching
     engine (each row's tokens are those of answering it alone on this engine's kernels)."""
     from specdecode.sampling import SamplingParams
 
@@ -129,7 +146,12 @@ def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_
                 continue
             answered[conv[0]["content"]] = conv
     todo = [r for r in dict.fromkeys(requests) if r not in answered]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+
+    def params(request: str) -> SamplingParams:  # an answer stops at the context's end, not past it
+        room = llm.max_model_len - len(llm.chat_prompt_ids([{"role": "user", "content": request}]))
+        return SamplingParams(max_tokens=min(max_tokens, room), temperature=0)
+
+    todo = [r for r in todo if params(r).max_tokens >= 1]  # a request longer than the context is left out
     out_jsonl.parent.mkdir(parents=True, exist_ok=True)
     with out_jsonl.open("a") as f, progress_bar(total=len(todo), desc="target answers", unit="answer") as bar:
         def save(request: str, answer: str) -> None:
@@ -141,10 +163,10 @@ def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_
 
         if batch <= 1:
             for request in todo:
-                save(request, llm.chat([{"role": "user", "content": request}], params)[0].text)
+                save(request, llm.chat([{"role": "user", "content": request}], params(request))[0].text)
         else:
             engine = llm.batch_engine(max_num_seqs=batch)
-            queue = [(r, llm.new_sequence(llm.chat_prompt_ids([{"role": "user", "content": r}]), params))
+            queue = [(r, llm.new_sequence(llm.chat_prompt_ids([{"role": "user", "content": r}]), params(r)))
                      for r in todo]
             request_of = {seq.request_id: r for r, seq in queue}
             pending = iter(queue)
@@ -157,4 +179,4 @@ def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_
                         nxt = next(pending, None)
                         if nxt is not None:
                             engine.add(nxt[1])
-    return [answered[r] for r in requests]
+    return [answered[r] for r in requests if r in answered]
