@@ -133,8 +133,9 @@ def back_translation_requests(conversations: list[Messages]) -> list[str]:
 def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_tokens: int = 256,  # noqa: ANN001
                                  batch: int = 1) -> list[Messages]:
     """The target's greedy answers to `requests` (an LLM), cached in out_jsonl (resumable: answered requests
-    are skipped), in request order (a request longer than the context is left out). `batch` > 1 answers that many at once with the continuous-batching
-    engine (each row's tokens are those of answering it alone on this engine's kernels)."""
+    are skipped), in request order (a request longer than the context is left out). `batch` > 1 answers
+    that many at once with the continuous-batching engine (each row's tokens are those of answering it
+    alone on this engine's kernels)."""
     from specdecode.sampling import SamplingParams
 
     answered: dict[str, Messages] = {}
