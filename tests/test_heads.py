@@ -193,6 +193,9 @@ def test_diverse_requests_and_batched_answers(tiny_llama_dir: Path, tmp_path: Pa
     one = self_distilled_conversations(llm, short, tmp_path / "one.jsonl", max_tokens=6)
     batched = self_distilled_conversations(llm, short, tmp_path / "batched.jsonl", max_tokens=6, batch=3)
     assert batched == one and [c[0]["content"] for c in batched] == short
+    # A larger set copies the answers a smaller one already has (no model needed for them).
+    reused = self_distilled_conversations(None, short[:3], tmp_path / "larger.jsonl", reuse=[tmp_path / "one.jsonl"])
+    assert reused == one[:3] and len((tmp_path / "larger.jsonl").read_text().splitlines()) == 3
 
 
 def test_back_translation_requests() -> None:

@@ -72,8 +72,11 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint
     llm = LLM(args.target, speculative_config=spec, quantization=args.self_distill_quantization, max_model_len=4096)
     answered: dict[str, list] = {}
     for tag, requests in request_sets.items():
-        answered[tag] = self_distilled_conversations(llm, requests, data_dir / f"self-answers-{tag}.jsonl",
-                                                     batch=batch)
+        out = data_dir / f"self-answers-{tag}.jsonl"
+        # A larger diverse set starts from the answers of smaller ones (the same requests come first).
+        reuse = [p for p in data_dir.glob("self-answers-diverse-*.jsonl")
+                 if tag.startswith("diverse-") and p != out and not p.stem.endswith("-back")]
+        answered[tag] = self_distilled_conversations(llm, requests, out, batch=batch, reuse=reuse)
         if tag.startswith("diverse-") and (back := back_translation_requests(answered[tag])):
             answered[f"{tag}-back"] = self_distilled_conversations(
                 llm, back, data_dir / f"self-answers-{tag}-back.jsonl", batch=batch)

@@ -130,23 +130,31 @@ def back_translation_requests(conversations: list[Messages]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_tokens: int = 256,  # noqa: ANN001
-                                 batch: int = 1) -> list[Messages]:
-    """The target's greedy answers to `requests` (an LLM), cached in out_jsonl (resumable: answered requests
-    are skipped), in request order (a request longer than the context is left out). `batch` > 1 answers
-    that many at once with the continuous-batching engine (each row's tokens are those of answering it
-    alone on this engine's kernels)."""
-    from specdecode.sampling import SamplingParams
-
+def _read_answers(path: Path) -> dict[str, Messages]:
     answered: dict[str, Messages] = {}
-    if out_jsonl.exists():
-        for line in out_jsonl.read_text().splitlines():
+    if path.exists():
+        for line in path.read_text().splitlines():
             try:
                 conv = json.loads(line)
             except json.JSONDecodeError:  # empty, or cut short by a kill mid-write: answered again
                 continue
             answered[conv[0]["content"]] = conv
-    todo = [r for r in dict.fromkeys(requests) if r not in answered]
+    return answered
+
+
+def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_tokens: int = 256,  # noqa: ANN001
+                                 batch: int = 1, reuse: list[Path] | None = None) -> list[Messages]:
+    """The target's greedy answers to `requests` (an LLM), cached in out_jsonl (resumable: answered requests
+    are skipped), in request order (a request longer than the context is left out). `batch` > 1 answers
+    that many at once with the continuous-batching engine (each row's tokens are those of answering it
+    alone on this engine's kernels). Answers to the same requests in the `reuse` files (a smaller set of
+    the same kind) are copied instead of answered again."""
+    from specdecode.sampling import SamplingParams
+
+    answered = _read_answers(out_jsonl)
+    wanted = set(requests)
+    known = {r: c for path in reuse or [] for r, c in _read_answers(path).items() if r in wanted and r not in answered}
+    todo = [r for r in dict.fromkeys(requests) if r not in answered and r not in known]
 
     def params(request: str) -> SamplingParams:  # an answer stops at the context's end, not past it
         room = llm.max_model_len - len(llm.chat_prompt_ids([{"role": "user", "content": request}]))
@@ -154,6 +162,10 @@ def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_
 
     todo = [r for r in todo if params(r).max_tokens >= 1]  # a request longer than the context is left out
     out_jsonl.parent.mkdir(parents=True, exist_ok=True)
+    if known:
+        with out_jsonl.open("a") as f:
+            f.writelines(json.dumps(conv) + "\n" for conv in known.values())
+        answered.update(known)
     with out_jsonl.open("a") as f, progress_bar(total=len(todo), desc="target answers", unit="answer") as bar:
         def save(request: str, answer: str) -> None:
             conv = [{"role": "user", "content": request}, {"role": "assistant", "content": answer}]
