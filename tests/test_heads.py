@@ -133,6 +133,26 @@ def test_training_learns_and_resumes(tiny_llama_dir: Path, tiny_features, tmp_pa
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in base.generate(prompts, GREEDY)]
 
 
+def test_training_starts_from_a_saved_head(tiny_llama_dir: Path, tiny_features, tmp_path: Path) -> None:
+    """--init-from: fine-tuning starts at the saved head's weights and keeps its draft vocabulary and sizes."""
+    _, shards = tiny_features
+    target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
+    opts = TrainOptions(kind="eagle", epochs=1, window=64, batch_windows=4, draft_vocab_size=200,
+                        intermediate_size=96, max_steps=3)
+    base = train_head(target, shards, tmp_path / "base", opts, always_ids=[2])
+    tuned_opts = TrainOptions(kind="eagle", epochs=1, window=64, batch_windows=4, draft_vocab_size=300,
+                              max_steps=0, init_from=str(tmp_path / "base"))
+    same = train_head(target, shards, tmp_path / "tuned", tuned_opts, always_ids=[2])  # no steps: the start
+    assert same.config.intermediate_size == 96 and torch.equal(same.d2t, base.d2t)
+    saved = load_head(tmp_path / "base", target, dtype=torch.float32).saved_state()
+    for name, value in same.saved_state().items():
+        assert torch.allclose(value.float(), saved[name].float()), name
+    tuned_opts.max_steps = 2
+    moved = train_head(target, shards, tmp_path / "tuned", tuned_opts, always_ids=[2])  # resumes its checkpoint
+    assert moved.config.training["steps"] == 2
+    assert not torch.equal(moved.saved_state()["fc.weight"], same.saved_state()["fc.weight"])
+
+
 @pytest.mark.real
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_random_head_greedy_equals_plain_smollm(tmp_path: Path, kind: str) -> None:

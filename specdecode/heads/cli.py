@@ -41,6 +41,9 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
                    help="EAGLE: training steps that feed the head its own predicted features (default 1)")
     p.add_argument("--normalize-regression", action="store_true",
                    help="EAGLE: scale the feature regression per dimension by its spread in the data")
+    p.add_argument("--init-from", type=Path, default=None, metavar="HEAD_DIR",
+                   help="fine-tune this saved head (same kind and target) instead of starting from random weights; "
+                        "its draft vocabulary and sizes are kept")
     p.add_argument("--budget-minutes", type=float, default=None, help="stop training after this long (resumable)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.set_defaults(func=run_train_head)
@@ -134,7 +137,8 @@ def run_train_head(args: argparse.Namespace) -> int:
     opts = TrainOptions(kind=args.kind, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab,
                         intermediate_size=args.intermediate_size, num_medusa_heads=args.num_heads,
                         budget_minutes=args.budget_minutes, unroll_steps=args.unroll_steps,
-                        normalize_regression=args.normalize_regression)
+                        normalize_regression=args.normalize_regression,
+                        init_from=str(args.init_from) if args.init_from else None)
     always = [i for i in (tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)]
     always = [i for i in always if 0 <= i < target.config.vocab_size]
     head = train_head(target, shards, args.out, opts, always,

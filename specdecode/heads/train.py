@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from specdecode.heads.features import Shard, load_shard, progress_bar
 from specdecode.heads.modules import DraftHead, EagleHead, MedusaHeads
-from specdecode.heads.persist import new_head, save_head
+from specdecode.heads.persist import load_head, new_head, save_head
 from specdecode.model.transformer import Transformer
 
 CHECKPOINT = "checkpoint.pt"
@@ -54,6 +54,8 @@ class TrainOptions:
     """Stop (resumably) after this many steps in total."""
     checkpoint_every: int = 50
     seed: int = 0
+    init_from: str | None = None
+    """A saved head of the same kind to start from (fine-tuning): its weights, draft vocabulary and sizes."""
 
 
 @dataclass
@@ -173,8 +175,19 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
     vocab = target.config.vocab_size
     ckpt_path = out_dir / CHECKPOINT
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
-    d2t = ckpt["d2t"] if ckpt else choose_draft_vocab(corpus.target_next, vocab, opts.draft_vocab_size, always_ids)
-    head = new_head(target, opts.kind, d2t, opts.intermediate_size, opts.num_medusa_heads, opts.seed).float()
+    init = load_head(opts.init_from, target, kind=opts.kind, dtype=torch.float32) if opts.init_from else None
+    if ckpt:
+        d2t = ckpt["d2t"]
+    elif init is not None:
+        d2t = init.d2t.cpu()
+    else:
+        d2t = choose_draft_vocab(corpus.target_next, vocab, opts.draft_vocab_size, always_ids)
+    sizes = init.config if init is not None else None  # a fine-tuned head keeps its starting head's shape
+    head = new_head(target, opts.kind, d2t, sizes.intermediate_size if sizes else opts.intermediate_size,
+                    sizes.num_medusa_heads if sizes else opts.num_medusa_heads, opts.seed).float()
+    if init is not None and not ckpt:
+        head.load_state_dict({k: v.float() for k, v in init.saved_state().items()}, strict=False)
+    del init
     head.lm_head.weight.data = head.lm_head.weight.data.float()
     t2d = torch.full((vocab,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(len(d2t))
