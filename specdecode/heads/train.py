@@ -122,7 +122,7 @@ def _eagle_step_loss(head: EagleHead, pred: torch.Tensor, nxt_feats: torch.Tenso
 
 
 def eagle_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
-                gen: torch.Generator, feature_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+               gen: torch.Generator, feature_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """Step 1 on the target's (noisy) features; each further unrolled step feeds the previous step's
     predictions back as features, as drafting does (the head learns to continue from its own guesses)."""
     feats, toks, nxt_feats, labels, mask = batch
@@ -146,7 +146,7 @@ def eagle_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], t2d: torch.Tens
 
 
 def medusa_loss(head: MedusaHeads, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
-                 gen: torch.Generator, feature_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+                gen: torch.Generator, feature_scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     feats, _, _, labels, mask = batch  # labels[:, j] = target's token after position j + 1
     total = torch.zeros(())
     stats: dict[str, float] = {}
