@@ -76,11 +76,12 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint
     answered: dict[str, list] = {}
     for tag, requests in request_sets.items():
         out = data_dir / f"self-answers-{tag}.jsonl"
+        diverse = tag.startswith("diverse-")
         # A larger diverse set starts from the answers of smaller ones (the same requests come first).
         reuse = [p for p in data_dir.glob("self-answers-diverse-*.jsonl")
-                 if tag.startswith("diverse-") and p != out and not p.stem.endswith("-back")]
+                 if p != out and not p.stem.endswith("-back")] if diverse else []
         answered[tag] = self_distilled_conversations(llm, requests, out, batch=batch, reuse=reuse)
-        if tag.startswith("diverse-") and (back := back_translation_requests(answered[tag])):
+        if diverse and (back := back_translation_requests(answered[tag])):
             answered[f"{tag}-back"] = self_distilled_conversations(
                 llm, back, data_dir / f"self-answers-{tag}-back.jsonl", batch=batch)
     if args.self_distill_quantization == "none":  # the answering target is the bf16 one: reuse it

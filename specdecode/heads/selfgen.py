@@ -155,9 +155,10 @@ def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_
     wanted = set(requests)
     known = {r: c for path in reuse or [] for r, c in _read_answers(path).items() if r in wanted and r not in answered}
     todo = [r for r in dict.fromkeys(requests) if r not in answered and r not in known]
+    prompt_ids = {r: llm.chat_prompt_ids([{"role": "user", "content": r}]) for r in todo}  # tokenized once
 
     def params(request: str) -> SamplingParams:  # an answer stops at the context's end, not past it
-        room = llm.max_model_len - len(llm.chat_prompt_ids([{"role": "user", "content": request}]))
+        room = llm.max_model_len - len(prompt_ids[request])
         return SamplingParams(max_tokens=min(max_tokens, room), temperature=0)
 
     todo = [r for r in todo if params(r).max_tokens >= 1]  # a request longer than the context is left out
@@ -179,8 +180,7 @@ def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_
                 save(request, llm.chat([{"role": "user", "content": request}], params(request))[0].text)
         else:
             engine = llm.batch_engine(max_num_seqs=batch)
-            queue = [(r, llm.new_sequence(llm.chat_prompt_ids([{"role": "user", "content": r}]), params(r)))
-                     for r in todo]
+            queue = [(r, llm.new_sequence(prompt_ids[r], params(r))) for r in todo]
             request_of = {seq.request_id: r for r, seq in queue}
             pending = iter(queue)
             for _, seq in itertools.islice(pending, batch):
