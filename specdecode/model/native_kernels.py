@@ -62,6 +62,9 @@ def _library() -> ctypes.CDLL | None:
     lib.rope_qkv_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [_P, _L, _L, _P]
     lib.silu_mul_bf16.restype = None
+    lib.decode_layers.argtypes = [_P, _L, _L, _L, _P, _L, ctypes.c_float, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L,
+                                  _L, _L, _P, ctypes.c_float, _I]
+    lib.decode_layers.restype = None
     return lib
 
 

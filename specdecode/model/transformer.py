@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.model import native_kernels
+from specdecode.model import native_kernels, native_stack
 from specdecode.model.config import ModelConfig
 from specdecode.model.kv_cache import CacheSlots, KVCache
 
@@ -232,6 +232,9 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._native_stack: tuple[nn.Module, nn.Module, native_stack.NativeStack | None] | None = None
+        """(first and last linear, the stack or None if this model cannot take it), built at the first few-row
+        forward and again when a conversion has replaced the linears."""
 
     def fuse_projections(self) -> Transformer:
         """Fuse q/k/v and gate/up in every layer (after loading; state-dict names are HF's before)."""
@@ -276,8 +279,12 @@ class Transformer(nn.Module):
             self._rope_for(cache.max_len), self.dtype, positions, cache.max_len, slots, attn_mask
         )
         x = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, slots, kv_len, mask)
+        stack = native_stack.stack_for(self, x, cache) if tokens.shape[1] <= SMALL_ATTENTION_TOKENS else None
+        if stack is not None:  # decode / verification on CPU: every layer in one native call, same bits
+            x = native_stack.run(self, stack, x.contiguous(), cos, sin, slots, kv_len, mask, cache)
+        else:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, cache, slots, kv_len, mask)
         return self.model.norm(x)
 
     @torch.inference_mode()

@@ -682,3 +682,91 @@ TARGET void silu_mul_bf16(const uint16_t* gate_up, int64_t M, int64_t I, uint16_
             _mm256_mask_storeu_epi16(y + m * I + i, mask, (__m256i)_mm512_cvtneps_pbh(out));
         }
 }
+
+// ---- the decoder layers of a few-row forward in one call ------------------------------------------------
+// Between the native calls above, a module-by-module decode step of the 1.5B target spends ~7 ms a token
+// (~250 us a layer) in Python and torch glue: wrappers, views, empty outputs, residual adds. Here each
+// layer makes the same native calls in the same order, and the residual adds round as torch's bf16 adds do,
+// so the bits are those of the module-by-module forward (tests/test_native_stack.py).
+
+enum { LIN_BF16 = 0, LIN_INT8_DYNAMIC = 1, LIN_WOQ_INT8 = 2, LIN_WOQ_INT4 = 3 };
+
+typedef struct {  // one linear layer, as `native_stack.linear_entry` fills it (all fields 8 bytes)
+    int64_t kind, n, k;
+    const void* w;     // bf16 [N, K] | int8 tiles | int8 [N, K] | packed int4 [N, K / 2]
+    const void* a;     // int8-dynamic: weight sums int32 [N]; woq int8: scale bf16 [N]; int4: scale fp32 [N, G]
+    const void* b;     // int8-dynamic: scale fp32 [N]; int4: offset fp32 [N, G]
+    const void* bias;  // bf16 [N] (fp32 for int8-dynamic), or NULL
+    double qmax;       // int8-dynamic: activation range
+} linear_t;
+
+typedef struct {
+    const uint16_t* norm1;  // input_layernorm weight, bf16 [D]
+    const uint16_t* norm2;  // post_attention_layernorm weight
+    linear_t qkv, o, gate_up, down;
+} layer_t;
+
+// y (bf16 [M, N]) += bias (bf16 [N]), rounded to bf16: torch's `y + bias` after the weight-only kernels.
+// x (bf16 [n]) += y (bf16 [n]) likewise: the residual adds.
+static void add_bf16(uint16_t* x, const uint16_t* y, int64_t n, int64_t rows, int64_t y_row_stride) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++)
+            x[r * n + i] = f32_to_bf16(bf16_to_f32(x[r * n + i]) + bf16_to_f32(y[r * y_row_stride + i]));
+}
+
+TARGET static void linear_run(const linear_t* l, const uint16_t* x, int64_t M, uint16_t* y, int threads) {
+    switch (l->kind) {
+        case LIN_BF16:
+            bf16_gemm(x, 0, M, l->k, (const uint16_t*)l->w, (const uint16_t*)l->bias, l->n, y, 0, threads);
+            return;
+        case LIN_INT8_DYNAMIC:
+            int8_dynamic_gemm(x, 0, M, l->k, l->w, (const int32_t*)l->a, (const float*)l->b, (const float*)l->bias,
+                              (float)l->qmax, l->n, y, 0, threads);
+            return;
+        case LIN_WOQ_INT8:
+            woq_int8_gemm(x, 0, M, l->k, (const int8_t*)l->w, (const uint16_t*)l->a, l->n, y, 0, threads);
+            break;
+        default:
+            woq_int4_gemm(x, 0, M, l->k, (const uint8_t*)l->w, (const float*)l->a, (const float*)l->b, l->n, y, 0,
+                          threads);
+            break;
+    }
+    if (l->bias) add_bf16(y, (const uint16_t*)l->bias, l->n, M, 0);
+}
+
+// x: the residual stream, bf16 [B * T, D], updated in place through `L` layers. cos / sin [B * T, hd],
+// slots [B * T] and mask ([B, T, S] bytes, or NULL) as for rope_qkv_bf16 / attend_bf16; layer l's K / V
+// cache starts at k_cache / v_cache + l * layer_stride, with strides (sb, sh, hd, 1); S = slots attended.
+TARGET void decode_layers(uint16_t* x, int64_t B, int64_t T, int64_t D, const layer_t* layers, int64_t L, float eps,
+                          const uint16_t* cos, const uint16_t* sin, const int64_t* slots, int64_t H, int64_t KVH,
+                          int64_t hd, int64_t I, uint16_t* k_cache, uint16_t* v_cache, int64_t layer_stride,
+                          int64_t sb, int64_t sh, int64_t S, const uint8_t* mask, float scale, int threads) {
+    const int64_t M = B * T, qkv_width = (H + 2 * KVH) * hd;
+    uint16_t* h = (uint16_t*)malloc((size_t)(M * D) * sizeof(uint16_t));
+    uint16_t* qkv = (uint16_t*)malloc((size_t)(M * qkv_width) * sizeof(uint16_t));
+    uint16_t* q = (uint16_t*)malloc((size_t)(M * H * hd) * sizeof(uint16_t));
+    uint16_t* att = (uint16_t*)malloc((size_t)(M * H * hd) * sizeof(uint16_t));
+    uint16_t* gu = (uint16_t*)malloc((size_t)(M * 2 * I) * sizeof(uint16_t));
+    uint16_t* act = (uint16_t*)malloc((size_t)(M * I) * sizeof(uint16_t));
+    for (int64_t l = 0; l < L; l++) {
+        const layer_t* ly = layers + l;
+        uint16_t *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
+        rms_norm_bf16(x, ly->norm1, eps, M, D, h);
+        linear_run(&ly->qkv, h, M, qkv, threads);
+        rope_qkv_bf16(qkv, cos, sin, slots, B, T, H, KVH, hd, q, kc, vc, sb, sh);
+        attend_bf16(q, kc, vc, mask, B, H, KVH, T, S, hd, sb, sh, scale, att, threads);
+        linear_run(&ly->o, att, M, h, threads);
+        add_bf16(x, h, D, M, D);
+        rms_norm_bf16(x, ly->norm2, eps, M, D, h);
+        linear_run(&ly->gate_up, h, M, gu, threads);
+        silu_mul_bf16(gu, M, I, act);
+        linear_run(&ly->down, act, M, h, threads);
+        add_bf16(x, h, D, M, D);
+    }
+    free(act);
+    free(gu);
+    free(att);
+    free(q);
+    free(qkv);
+    free(h);
+}
