@@ -1,10 +1,11 @@
-"""Decode step of the target per linear format against its memory floor, each step paired with a bandwidth
-probe taken just before it.
+"""Decode step of the target per linear format against its memory floor, each step between two bandwidth
+probes.
 
-This machine's read bandwidth flips between two states (~31-35 and ~50-60 GB/s) within seconds to minutes,
+This machine's read bandwidth flips between two states (~31-35 and ~50-66 GB/s) within seconds to minutes,
 so a floor computed from a probe taken minutes away from the decode it judges can be off by 1.5x either
-way. Here every round probes, then times one decode step (`decode_step.step_ms`, context 64) of each
-format, all models loaded once; floor ÷ decode is computed per round from that round's probe.
+way. Here every round times one decode step (`decode_step.step_ms`, context 64) of each format, all models
+loaded once, with a probe just before and just after it. Floor ÷ decode uses their mean; a step whose probes
+differ by more than 15% straddles a flip and is left out of the per-state medians (marked "~").
 
     python benchmarks/floor_pairs.py [--model qwen2.5-coder-1.5b-instruct] [--formats bf16,int8,int8-dynamic,int4]
         [--rounds 6]
@@ -22,6 +23,9 @@ from specdecode.bench.bandwidth import measure_bandwidth, weight_bytes_per_token
 from specdecode.model.fast_linear import convert_linears
 from specdecode.model.load import load_model
 
+FAST_GBPS = 45.0
+"""Probes at or above this are the machine's fast memory state."""
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,19 +40,28 @@ def main() -> None:
         model = load_model(args.model, torch.bfloat16, "cpu").model
         convert_linears(model, fmt)  # type: ignore[arg-type]
         models[fmt] = (model, weight_bytes_per_token(model)["bytes"])
-    print("| probe GB/s | " + " | ".join(f"{f} ms (floor ÷ decode)" for f in models) + " |")
+    print("| round | " + " | ".join(f"{f}: probes GB/s, ms (floor ÷ decode)" for f in models) + " |")
     print("|---:|" + "---:|" * len(models))
-    ratios: dict[str, list[float]] = {f: [] for f in models}
-    for _ in range(args.rounds):
-        gbps = measure_bandwidth(1.0)["read_gb_per_s"]
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for r in range(args.rounds):
         cells = []
         for fmt, (model, nbytes) in models.items():
+            before = measure_bandwidth(1.0)["read_gb_per_s"]
             ms = step_ms(model)
-            ratios[fmt].append(ms / (nbytes / (gbps * 1e9) * 1e3))
-            cells.append(f"{ms:.1f} ({ratios[fmt][-1]:.2f}×)")
-        print(f"| {gbps:.1f} | " + " | ".join(cells) + " |", flush=True)
-    print("| median | " + " | ".join(f"{statistics.median(r):.2f}×" for r in ratios.values()) + " |")
-
+            after = measure_bandwidth(1.0)["read_gb_per_s"]
+            gbps = (before + after) / 2
+            ratio = ms / (nbytes / (gbps * 1e9) * 1e3)
+            steady = max(before, after) / min(before, after) <= 1.15
+            if steady:
+                ratios.setdefault((fmt, "fast" if gbps >= FAST_GBPS else "slow"), []).append(ratio)
+            cells.append(f"{before:.0f}/{after:.0f}, {ms:.1f} ({ratio:.2f}×{'' if steady else ' ~'})")
+        print(f"| {r + 1} | " + " | ".join(cells) + " |", flush=True)
+    for state in ("slow", "fast"):
+        cells = []
+        for fmt in models:
+            got = ratios.get((fmt, state), [])
+            cells.append(f"{statistics.median(got):.2f}× (n={len(got)}, {min(got):.2f}–{max(got):.2f})" if got else "–")
+        print(f"| median, {state} state | " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()
