@@ -98,3 +98,22 @@ def test_stack_is_left_for_unsupported_forwards() -> None:
     convert_linears(model, "int4-hybrid")
     assert native_stack.stack_for(model, torch.zeros(1, 9, 128, dtype=torch.bfloat16), cache) is None  # > 8 rows
     assert native_stack.stack_for(model, torch.zeros(1, 8, 128, dtype=torch.bfloat16), cache) is not None
+
+
+def test_stack_writes_through_a_row_view_of_a_larger_cache() -> None:
+    """The batch engine runs the target over `cache.rows(a, b)`: a view whose rows are not contiguous across
+    layers. The stack writes and reads it as the module-by-module forward does."""
+    model = random_model(seed=2)
+    convert_linears(model, "bf16")
+    out, caches = [], []
+    for use_stack in (True, False):
+        owner = model.new_cache(3, 32)
+        view = owner.rows(1, 3)
+        layers = model.model.layers
+        model._native_stack = None if use_stack else (layers[0].self_attn.qkv_proj, layers[-1].mlp.down_proj, None)
+        ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+        out.append(model(ids, torch.arange(4).expand(2, 4), view))
+        assert (model._native_stack[2] is not None) == use_stack
+        caches.append(owner)
+    assert torch.equal(out[0], out[1])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)

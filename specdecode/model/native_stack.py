@@ -112,12 +112,21 @@ def build(model: nn.Module) -> NativeStack | None:
     return NativeStack(array, modules, max_rows, eps.pop())
 
 
+def cache_fits(cache: KVCache) -> bool:
+    """K and V [L, B, KVH, S, hd] with the same strides and each slot's hd numbers contiguous: the kernel's
+    addressing (a batch engine's row views of a larger cache qualify)."""
+    k, v = cache.k, cache.v
+    return k.stride() == v.stride() and k.stride()[3:] == (k.shape[4], 1)
+
+
 def stack_for(model: nn.Module, x: torch.Tensor, cache: KVCache | None) -> NativeStack | None:
     """The model's stack if this forward (x [B, T, D]) can take it: bf16 inference on CPU with our kernels,
     a bf16 cache, and linears that all have a native path for B * T rows. The caller keeps T within the
     attention kernel's few queries."""
     b, t, _ = x.shape
     if cache is None or cache.k.dtype != torch.bfloat16 or not native_kernels.attend_applies(x, model.config.head_dim):
+        return None
+    if not cache_fits(cache):
         return None
     layers = model.model.layers
     first, last = layers[0].self_attn.qkv_proj, layers[-1].mlp.down_proj
@@ -146,7 +155,7 @@ def run(
     assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16
     cfg = model.config
     b, t, d = x.shape
-    assert slots.end <= cache.max_len and cache.k.stride() == cache.v.stride() and cache.k.is_contiguous()
+    assert slots.end <= cache.max_len and cache_fits(cache)
     cos, sin = cos.contiguous(), sin.contiguous()
     index = slots.index.to(torch.int64).contiguous()
     m = None if mask is None else mask.expand(b, 1, t, kv_len).contiguous()
