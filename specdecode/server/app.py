@@ -112,6 +112,19 @@ class AuthMiddleware:
         return await self.app(scope, receive, send)
 
 
+DRAIN_LIMIT = 16 << 20
+"""A refused body declared at most this large is read (and dropped) before the 413: closing a connection with
+unread data resets it, and the client may then see "connection reset" instead of the 413 (nginx's lingering
+close does the same)."""
+
+
+async def _drain(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
 class BodyLimitMiddleware:
     """Refuse request bodies over `limit` bytes with a 413, by Content-Length or while reading a chunked body.
 
@@ -141,6 +154,8 @@ class BodyLimitMiddleware:
             except ValueError:
                 declared = self.limit + 1
             if declared > self.limit:
+                if declared <= DRAIN_LIMIT:
+                    await _drain(receive)
                 return await self._refuse(send)
             return await self.app(scope, receive, send)
         # No length given (chunked): read the body here, up to the limit, and replay it.
