@@ -17,7 +17,10 @@ from specdecode.model.fast_linear import NATIVE_FORMATS, convert_linears
 from specdecode.model.load import load_model
 
 
-def step_ms(model: torch.nn.Module, context: int = 64, steps: int = 20) -> float:
+def step_ms(model: torch.nn.Module, context: int = 64, steps: int = 20,
+            logits: list[torch.Tensor] | None = None) -> float:
+    """Median ms of a decode step after a `context`-token prefill (the first two steps left out); each step's
+    logits are appended to `logits` if given."""
     cache = model.new_cache(1, context + steps + 1)
     with torch.inference_mode():
         model(torch.ones(1, context, dtype=torch.long), torch.arange(context)[None], cache)
@@ -26,7 +29,10 @@ def step_ms(model: torch.nn.Module, context: int = 64, steps: int = 20) -> float
         for i in range(steps):
             t0 = time.perf_counter()
             hidden = model(torch.tensor([[5]]), torch.tensor([[context + i]]), cache)
-            model.compute_logits(hidden[0, -1:]).argmax()
+            step_logits = model.compute_logits(hidden[0, -1:])
+            step_logits.argmax()
+            if logits is not None:
+                logits.append(step_logits)
             cache.set_length(0, context + i + 1)
             samples.append(time.perf_counter() - t0)
     return statistics.median(samples[2:]) * 1e3

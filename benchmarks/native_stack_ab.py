@@ -9,33 +9,22 @@ compared bit for bit.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from decode_step import step_ms
 
 from specdecode.bench.bandwidth import measure_bandwidth
+from specdecode.model import native_stack
 from specdecode.model.fast_linear import convert_linears
 from specdecode.model.load import load_model
 
 
-def decode(model: torch.nn.Module, stack: bool, context: int = 64, steps: int = 16) -> tuple[float, torch.Tensor]:
-    """Median ms of `steps` single-token steps after a `context`-token prefill, and their logits."""
-    layers = model.model.layers
-    # None: built at the next forward; a cached None stack: the module-by-module forward.
-    model._native_stack = None if stack else (layers[0].self_attn.qkv_proj, layers[-1].mlp.down_proj, None)
-    cache = model.new_cache(1, context + steps + 1)
-    logits, times = [], []
-    with torch.inference_mode():
-        model(torch.arange(100, 100 + context)[None], torch.arange(context)[None], cache)
-        cache.set_length(0, context)
-        for i in range(steps):
-            t0 = time.perf_counter()
-            hidden = model(torch.tensor([[5 + i]]), torch.tensor([[context + i]]), cache)
-            logits.append(model.compute_logits(hidden[0, -1:]))
-            cache.set_length(0, context + i + 1)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, torch.cat(logits)
+def decode(model: torch.nn.Module, stack: bool) -> tuple[float, torch.Tensor]:
+    """Median ms of a decode step (`decode_step.step_ms`) with or without the stack, and the steps' logits."""
+    native_stack.set_enabled(model, stack)
+    logits: list[torch.Tensor] = []
+    ms = step_ms(model, steps=16, logits=logits)
+    return ms, torch.cat(logits)
 
 
 def main() -> None:

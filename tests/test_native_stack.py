@@ -41,13 +41,11 @@ def forward_both(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, model.config.vocab_size, (b, prefix), generator=gen)
         model(ids, torch.arange(prefix).expand(b, prefix), cache)  # prefill (> 16 rows): module by module
-        if not use_stack:
-            model._native_stack = (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp.down_proj,
-                                   None)  # as if this model could not take the stack
+        native_stack.set_enabled(model, use_stack)
         out.append(model(tokens, positions, cache, slots, mask))
         assert (model._native_stack[2] is not None) == use_stack
         caches.append(cache)
-        model._native_stack = None
+    native_stack.set_enabled(model, True)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     return out[0], out[1], caches[0].k
 
@@ -109,8 +107,7 @@ def test_stack_writes_through_a_row_view_of_a_larger_cache() -> None:
     for use_stack in (True, False):
         owner = model.new_cache(3, 32)
         view = owner.rows(1, 3)
-        layers = model.model.layers
-        model._native_stack = None if use_stack else (layers[0].self_attn.qkv_proj, layers[-1].mlp.down_proj, None)
+        native_stack.set_enabled(model, use_stack)
         ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
         out.append(model(ids, torch.arange(4).expand(2, 4), view))
         assert (model._native_stack[2] is not None) == use_stack

@@ -112,6 +112,18 @@ def build(model: nn.Module) -> NativeStack | None:
     return NativeStack(array, modules, max_rows, eps.pop())
 
 
+def _ends(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The first and last linear of the layers: a conversion replaces both."""
+    layers = model.model.layers
+    return layers[0].self_attn.qkv_proj, layers[-1].mlp.down_proj
+
+
+def set_enabled(model: nn.Module, enabled: bool) -> None:
+    """Let the model's next few-row forwards take the stack (the default), or keep them module by module until
+    its linears are converted again (A/B benchmarks, tests)."""
+    model._native_stack = None if enabled else (*_ends(model), None)
+
+
 def cache_fits(cache: KVCache) -> bool:
     """K and V [L, B, KVH, S, hd] with the same strides and each slot's hd numbers contiguous: the kernel's
     addressing (a batch engine's row views of a larger cache qualify)."""
@@ -128,8 +140,7 @@ def stack_for(model: nn.Module, x: torch.Tensor, cache: KVCache | None) -> Nativ
         return None
     if not cache_fits(cache):
         return None
-    layers = model.model.layers
-    first, last = layers[0].self_attn.qkv_proj, layers[-1].mlp.down_proj
+    first, last = _ends(model)
     built = model._native_stack
     if built is None or built[0] is not first or built[1] is not last:  # new, or its linears were converted
         built = model._native_stack = (first, last, build(model))
