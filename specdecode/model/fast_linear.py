@@ -40,6 +40,16 @@ def _native(native: bool | None) -> bool:
     return native_kernels.available() if native is None else native
 
 
+@functools.cache
+def onednn_bf16_supported() -> bool:
+    """oneDNN's bf16 matmul runs here: it needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuses otherwise."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 NATIVE_BF16_MAX_ROWS = 65
 """Rows up to which bf16 linears take our kernel: one token, or the verification of a chain or of a tree of
 up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) go to oneDNN."""
@@ -54,24 +64,35 @@ class BF16Linear(nn.Module):
     arithmetic. Without them: oneDNN's weights pre-packed once (the plain bf16 matmul re-packs on every
     call and reads a single token at ~1/3 of memory bandwidth)."""
 
-    def __init__(self, linear: nn.Linear, native: bool | None = None) -> None:
+    def __init__(self, linear: nn.Linear, native: bool | None = None, own: bool = False) -> None:
+        """own: copy the weights even where they are bf16 already (a quantizing conversion frees what was loaded;
+        a kept view would hold the whole weights file in memory)."""
         super().__init__()
         w = linear.weight.detach().to(torch.bfloat16)
+        if own and w.data_ptr() == linear.weight.data_ptr():
+            w = w.clone()
         self.out_features, self.in_features = w.shape
         self.native = _native(native)
-        if self.native:
+        self.avx2 = not self.native and not onednn_bf16_supported() and native_kernels.avx2_available()
+        """A CPU without AVX512 (oneDNN's bf16 matmul refuses to run): our AVX2 kernel for a few rows,
+        fp32 matmuls for prefill."""
+        if self.native or self.avx2:
             self.weight = w.contiguous()  # [N, K]
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()  # own copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.native:
+        if not (self.native or self.avx2):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         shape = x.shape
         if x.numel() // shape[-1] > NATIVE_BF16_MAX_ROWS:
+            if self.avx2:  # torch's bf16 matmul has no fast path here; an fp32 copy per call is cheap next to it
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.to(torch.bfloat16).float(), self.weight.float(), bias).to(x.dtype)
             return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
-        y = native_kernels.bf16_gemm(x, self.weight, self.bias)  # [M, N] in x's dtype
+        gemm = native_kernels.bf16_gemm if self.native else native_kernels.bf16_gemm_avx2
+        y = gemm(x, self.weight, self.bias)  # [M, N] in x's dtype
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -280,7 +301,7 @@ class Int4HybridLinear(nn.Module):
     def __init__(self, linear: nn.Linear, max_int4_rows: int = 8, native: bool | None = None) -> None:
         super().__init__()
         self.int4 = Int4WeightLinear(linear, native=native)
-        self.bf16 = BF16Linear(linear, native=False)  # prefill only: oneDNN's packed weights are its fastest
+        self.bf16 = BF16Linear(linear, native=False, own=True)  # prefill only: oneDNN's packed weights are its fastest
         self.max_int4_rows = max_int4_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,25 +26,34 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.c"
+SOURCE_AVX2 = Path(__file__).with_name("kernels") / "cpu_kernels_avx2.c"
+"""The bf16 GEMM for CPUs with AVX2 but without AVX512-BF16, where neither the kernels above nor oneDNN's
+bf16 matmul run (`bf16_gemm_avx2`)."""
 FLAGS = ["-O3", "-fopenmp"]
 """No -march=native: the AVX512 functions carry their own target attribute, and the library checks the CPU."""
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
+def _load(source: Path, name: str, supported: str) -> ctypes.CDLL | None:
+    """The library built from `source`, if the build works and its `supported()` check passes on this CPU."""
     if os.environ.get("SPECDECODE_NATIVE_KERNELS", "1") == "0":
         return None
     from specdecode.native_build import BuildError, build_shared
 
     try:
-        path = build_shared(SOURCE.read_text(), "cpu-kernels", FLAGS)
+        path = build_shared(source.read_text(), name, FLAGS)
     except BuildError as exc:
-        warnings.warn(f"native CPU kernels not built, using torch's: {exc}", stacklevel=3)
+        warnings.warn(f"native CPU kernels not built, using torch's: {exc}", stacklevel=4)
         return None
     lib = ctypes.CDLL(str(path))  # libgomp.so.1 resolves to the copy torch already loaded: one thread pool
-    if not lib.cpu_supported():
+    return lib if getattr(lib, supported)() else None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = _load(SOURCE, "cpu-kernels", "cpu_supported")
+    if lib is None:
         return None
     lib.woq_int8_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
     lib.woq_int8_gemm.restype = None
@@ -72,6 +81,20 @@ def available() -> bool:
     return _library() is not None
 
 
+@functools.cache
+def _avx2_library() -> ctypes.CDLL | None:
+    lib = _load(SOURCE_AVX2, "cpu-kernels-avx2", "avx2_supported")
+    if lib is not None:
+        lib.bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
+        lib.bf16_gemm.restype = None
+    return lib
+
+
+def avx2_available() -> bool:
+    """The AVX2 bf16 GEMM builds and runs here (any x86 CPU since Haswell / Zen)."""
+    return _avx2_library() is not None
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as a contiguous [M, K] fp32 or bf16 matrix (other dtypes go through fp32)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -81,11 +104,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm(kernel: str, x: torch.Tensor, *weights: torch.Tensor | None, scalars: tuple[float, ...] = (),
-          n: int | None = None) -> torch.Tensor:
+          n: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Call <kernel>_gemm(x, is_f32, M, K, *weights, *scalars, N, y, is_f32, threads): [M, N] in x's dtype
     (fp32, or bf16 for bf16 inputs). N is `n`, else the first weight's row count; a None weight is a NULL
-    pointer."""
-    lib = _library()
+    pointer. `lib`: the library holding the kernel (default: the AVX512 one)."""
+    lib = lib or _library()
     assert lib is not None
     x2 = _rows(x)
     m, k = x2.shape
@@ -194,6 +217,12 @@ def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     the bias is added in fp32 before the result is rounded."""
     assert w.dtype == torch.bfloat16 and w.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)
     return _gemm("bf16", x, w, bias)
+
+
+def bf16_gemm_avx2(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`bf16_gemm` for AVX2 CPUs (`avx2_available()`): same contract, same values up to summation order."""
+    assert w.dtype == torch.bfloat16 and w.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)
+    return _gemm("bf16", x, w, bias, lib=_avx2_library())
 
 
 def _check_tiles(tiles: torch.Tensor, n: int, row_bytes: int) -> None:

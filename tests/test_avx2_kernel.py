@@ -1,0 +1,49 @@
+"""The AVX2 bf16 GEMM (native_kernels.bf16_gemm_avx2), which runs the bf16 format on CPUs without AVX512-BF16,
+where oneDNN's bf16 matmul refuses to run. It builds and is tested on any AVX2 CPU, with or without AVX512."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.model import native_kernels
+from specdecode.model.fast_linear import BF16Linear, onednn_bf16_supported
+
+pytestmark = pytest.mark.skipif(not native_kernels.avx2_available(), reason="no AVX2 CPU or no C compiler")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp64 sum of the bf16-rounded inputs times the bf16 weights (+ bias)."""
+    y = x.bfloat16().double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1536, 96), (3, 64, 40), (5, 1545, 33), (17, 16, 7), (2, 9, 5)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matches_reference_and_rows_are_independent(m: int, k: int, n: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * k + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    ref = _reference(x, w, bias)
+    y = native_kernels.bf16_gemm_avx2(x, w, bias)  # fp32 in, fp32 out
+    assert y.dtype == torch.float32
+    bound = 4 * k * torch.finfo(torch.float32).eps * (x.bfloat16().double().abs() @ w.double().abs().T) + 1e-6
+    assert ((y.double() - ref).abs() <= bound).all()
+    yb = native_kernels.bf16_gemm_avx2(x.bfloat16(), w, bias)  # bf16 in: the same sums, rounded once at the end
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
+    for i in range(m):  # a row's result does not depend on the other rows of the call
+        assert torch.equal(native_kernels.bf16_gemm_avx2(x[i : i + 1], w, bias), y[i : i + 1])
+
+
+@pytest.mark.skipif(onednn_bf16_supported() or native_kernels.available(),
+                    reason="this CPU runs bf16 on oneDNN or on the AVX512 kernel")
+def test_bf16_linear_takes_the_avx2_kernel_where_onednn_cannot() -> None:
+    lin = torch.nn.Linear(48, 20).to(torch.bfloat16)
+    module = BF16Linear(lin)
+    assert module.avx2
+    x = torch.randn(4, 48, dtype=torch.bfloat16)
+    assert torch.equal(module(x), native_kernels.bf16_gemm_avx2(x, lin.weight.detach(), lin.bias.detach()))
+    long = torch.randn(80, 48, dtype=torch.bfloat16)  # prefill rows: an fp32 matmul of the same values
+    ref = torch.nn.functional.linear(long.float(), lin.weight.float(), lin.bias.float())
+    torch.testing.assert_close(module(long).float(), ref.bfloat16().float(), rtol=1e-2, atol=1e-2)
