@@ -36,6 +36,9 @@ class SpeculativeConfig:
     ride along in the draft's forwards (a run the draft would have drafted anyway costs one forward), and a
     step verifies the guess alone when it promises more tokens per second than drafting. Trees (draft
     model, EAGLE, Medusa): the guess is grafted onto the tree as one more branch."""
+    head_prompt_tokens: bool = True
+    """EAGLE and Medusa heads also score the prompt's tokens that their draft vocabulary lacks (names and words
+    an answer copies; needs a target whose output rows are its input embeddings, as Qwen2.5's)."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
     draft_tree_width: int | None = None

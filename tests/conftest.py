@@ -86,6 +86,12 @@ def tiny_llama_other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Output rows = input embeddings, as in Qwen2.5 and SmolLM2."""
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny_tied"), "llama", seed=4, tie=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny_qwen"), "qwen2", seed=2)
 

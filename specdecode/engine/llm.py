@@ -125,10 +125,12 @@ class LLM:
                                                                lookup)
         elif isinstance(self.head, EagleHead):
             head, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
-            self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching)
+            columns = spec.head_prompt_tokens
+            self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching, columns)
         elif isinstance(self.head, MedusaHeads):
             medusa, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
-            self.proposer_factory = lambda: MedusaProposer(medusa, width, branching)
+            columns = spec.head_prompt_tokens
+            self.proposer_factory = lambda: MedusaProposer(medusa, width, branching, columns)
         elif spec is not None:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
             self.proposer_factory = lambda: NgramProposer(lo, hi)

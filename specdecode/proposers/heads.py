@@ -13,6 +13,7 @@ import torch
 
 from specdecode.heads.modules import EagleHead, MedusaHeads
 from specdecode.proposers.base import Draft, SequenceView
+from specdecode.proposers.head_columns import HeadColumns
 from specdecode.proposers.tree_growth import (
     DEFAULT_NODE_BUDGET,
     TreeLevel,
@@ -31,8 +32,10 @@ class EagleProposer:
     name = "eagle"
     wants_target_hidden = True
 
-    def __init__(self, head: EagleHead, max_len: int, tree_width: int = 0, tree_branching: int = 2) -> None:
+    def __init__(self, head: EagleHead, max_len: int, tree_width: int = 0, tree_branching: int = 2,
+                 prompt_columns: bool = True) -> None:
         self.head = head
+        self.columns = HeadColumns(head, prompt_columns)
         self.tree_width = tree_width
         """Nodes kept per level; 0 = node_budget / depth."""
         self.tree_branching = tree_branching
@@ -53,6 +56,7 @@ class EagleProposer:
         self.cache.reset()
         self.num_features = 0
         self.num_cached = 0
+        self.columns.begin(seq.token_ids[: seq.prompt_len])
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         """Target features [m, D] of the next m positions (prompt at prefill, kept tokens after a step)."""
@@ -92,10 +96,11 @@ class EagleProposer:
                        slots=level.slots[None].to(dev), attn_mask=level.mask[None].to(dev))[0]
             for row, idx in enumerate(level.nodes):
                 node_features[idx] = out[row]
-            return head.draft_logits(out)  # [m, Vd]
+            return self.columns.logits(out)  # [m, Vd + extra columns]
 
         width = level_width(self.tree_width, self.node_budget, k)
-        draft = grow_tree(head.draft_logits(root), k, width, self.tree_branching, base, expand, token_map=head.d2t,
+        draft = grow_tree(self.columns.logits(root), k, width, self.tree_branching, base, expand,
+                          token_map=self.columns.token_map,
                           select=node_selector(self.tree_value, self.tree_width, lambda: k * self.step_cost_hint()))
         self.cache.set_length(0, base)  # tree entries are scratch
         return draft
@@ -128,8 +133,10 @@ class MedusaProposer:
     name = "medusa"
     wants_target_hidden = True
 
-    def __init__(self, head: MedusaHeads, tree_width: int = 0, tree_branching: int = 2) -> None:
+    def __init__(self, head: MedusaHeads, tree_width: int = 0, tree_branching: int = 2,
+                 prompt_columns: bool = True) -> None:
         self.head = head
+        self.columns = HeadColumns(head, prompt_columns)
         self.tree_width = tree_width
         self.tree_branching = tree_branching
         self.node_budget = DEFAULT_NODE_BUDGET
@@ -139,6 +146,7 @@ class MedusaProposer:
 
     def begin(self, seq: SequenceView) -> None:
         self.last = None
+        self.columns.begin(seq.token_ids[: seq.prompt_len])
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.last = hidden[-1]
@@ -148,13 +156,13 @@ class MedusaProposer:
         if k <= 0 or self.last is None:
             return Draft()
         depth = min(k, len(self.head.blocks))
-        logits = self.head.draft_logits(self.head(self.last)[:depth])  # [depth, Vd]
+        logits = self.columns.logits(self.head(self.last)[:depth])  # [depth, Vd + extra columns]
 
         def expand(level: TreeLevel) -> torch.Tensor:
             return logits[level.level + 1].expand(len(level.nodes), -1)
 
         width = level_width(self.tree_width, self.node_budget, depth)
-        return grow_tree(logits[0], depth, width, self.tree_branching, 1, expand, token_map=self.head.d2t,
+        return grow_tree(logits[0], depth, width, self.tree_branching, 1, expand, token_map=self.columns.token_map,
                          select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint()))
 
     def on_verified(self, seq: SequenceView, num_accepted: int) -> None:

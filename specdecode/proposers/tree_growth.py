@@ -58,7 +58,6 @@ def grow_tree(
 
     `select`, given the nodes' cumulative draft probabilities in descending order, returns how many
     to verify; the tree is cut to those (see `prune_to_best`)."""
-    ids = token_map.tolist() if token_map is not None else None
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
@@ -68,8 +67,7 @@ def grow_tree(
         cands: list[tuple[float, int, int]] = []
         for idx, score, lg in frontier:
             top = torch.log_softmax(lg.float(), -1).topk(branching)
-            cols = top.indices.tolist()
-            toks = [ids[c] for c in cols] if ids is not None else cols
+            toks = (token_map[top.indices] if token_map is not None else top.indices).tolist()
             cands += [(score + lp, idx, t) for lp, t in zip(top.values.tolist(), toks, strict=True)
                       if lp > float("-inf")]
         room = MAX_TREE_NODES - len(tokens)
