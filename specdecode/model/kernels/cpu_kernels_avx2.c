@@ -14,7 +14,8 @@
 #include <string.h>
 
 #define TARGET __attribute__((target("avx2,fma")))
-#define NR 4  // output channels per pass: 4 weight streams, 8 accumulation chains for one token
+#define NR_MAX 8
+#define MB_MAX 4
 
 int avx2_supported(void) {
     __builtin_cpu_init();
@@ -63,34 +64,73 @@ TARGET static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-TARGET static void block(const float* xp, const void* x, int x_is_f32, int64_t M, int64_t K, int64_t K16,
-                         const uint16_t* w, const uint16_t* bias, int64_t n0, int64_t N, void* y, int y_is_f32) {
-    const uint16_t* rows[NR];
-    for (int r = 0; r < NR; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last row
+// One pass over NR output channels for MB rows of x: out[i * NR + r] = sum over whole chunks of 16. Each sum
+// is one chain of FMAs (low half, then high half of each chunk), whatever NR and MB: the blocking changes
+// speed, never bits. Each chunk's weights are decoded once for the MB rows.
+TARGET static inline __attribute__((always_inline)) void pass(const int NR, const int MB, const float* xm,
+                                                                int64_t K16, const uint16_t* const* rows,
+                                                                float* out) {
     const __m256i zero = _mm256_setzero_si256();
-    for (int64_t m = 0; m < M; m++) {  // later rows find the block's weights in L2
-        const float* xm = xp + m * K16;
-        __m256 lo[NR], hi[NR];
-        for (int r = 0; r < NR; r++) lo[r] = hi[r] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K16; k += 16) {
-            const __m256 xl = _mm256_loadu_ps(xm + k), xh = _mm256_loadu_ps(xm + k + 8);
+    __m256 acc[NR_MAX][MB_MAX];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MB; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 16) {
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(rows[r] + k));
+            const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+            const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 #pragma GCC unroll 4
-            for (int r = 0; r < NR; r++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(rows[r] + k));
-                lo[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), xl, lo[r]);
-                hi[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)), xh, hi[r]);
+            for (int i = 0; i < MB; i++) {
+                const float* xi = xm + i * K16 + k;
+                acc[r][i] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xi), acc[r][i]);
+                acc[r][i] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xi + 8), acc[r][i]);
             }
         }
-        for (int r = 0; r < NR && n0 + r < N; r++) {
-            float s = hsum(_mm256_add_ps(lo[r], hi[r]));
-            for (int64_t k = K16; k < K; k++) s += x_at(x, x_is_f32, m * K + k) * bf16_to_f32(rows[r][k]);
-            if (bias) s += bf16_to_f32(bias[n0 + r]);
-            const int64_t idx = m * N + n0 + r;
-            if (y_is_f32)
-                ((float*)y)[idx] = s;
-            else
-                ((uint16_t*)y)[idx] = f32_to_bf16(s);
+    }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MB; i++) out[i * NR + r] = hsum(acc[r][i]);
+}
+
+// Output channels [n0, n0 + nr) for all M rows: one token takes 8 channels at a time (8 chains, 8 streams),
+// two tokens 4 channels, more 2 channels x 4 rows (each decoded chunk serves 4 rows).
+TARGET static void block(const float* xp, const void* x, int x_is_f32, int64_t M, int64_t K, int64_t K16,
+                         const uint16_t* w, const uint16_t* bias, int64_t n0, int64_t nr, int64_t N, void* y,
+                         int y_is_f32) {
+    const uint16_t* rows[NR_MAX];
+    for (int r = 0; r < nr; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last row
+    float out[NR_MAX * MB_MAX];
+    for (int64_t m0 = 0; m0 < M;) {
+        const float* xm = xp + m0 * K16;
+        int mb;
+        if (nr == 8) {
+            mb = 1;
+            pass(8, 1, xm, K16, rows, out);
+        } else if (nr == 4) {
+            mb = 2;
+            pass(4, 2, xm, K16, rows, out);
+        } else {
+            mb = M - m0 < MB_MAX ? (int)(M - m0) : MB_MAX;
+            switch (mb) {  // constant row counts: the accumulators stay in registers
+                case 1: pass(2, 1, xm, K16, rows, out); break;
+                case 2: pass(2, 2, xm, K16, rows, out); break;
+                case 3: pass(2, 3, xm, K16, rows, out); break;
+                default: pass(2, 4, xm, K16, rows, out); break;
+            }
         }
+        for (int r = 0; r < nr && n0 + r < N; r++)
+            for (int i = 0; i < mb; i++) {
+                const int64_t m = m0 + i;
+                float s = out[i * nr + r];
+                for (int64_t k = K16; k < K; k++) s += x_at(x, x_is_f32, m * K + k) * bf16_to_f32(rows[r][k]);
+                if (bias) s += bf16_to_f32(bias[n0 + r]);
+                const int64_t idx = m * N + n0 + r;
+                if (y_is_f32)
+                    ((float*)y)[idx] = s;
+                else
+                    ((uint16_t*)y)[idx] = f32_to_bf16(s);
+            }
+        m0 += mb;
     }
 }
 
@@ -99,8 +139,9 @@ TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const u
                       const uint16_t* bias, int64_t N, void* y, int y_is_f32, int threads) {
     const int64_t K16 = K / 16 * 16;
     float* xp = permuted_rows(x, x_is_f32, M, K, K16);
-    const int64_t blocks = (N + NR - 1) / NR;
+    const int64_t nr = M == 1 ? 8 : M == 2 ? 4 : 2;
+    const int64_t blocks = (N + nr - 1) / nr;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) block(xp, x, x_is_f32, M, K, K16, w, bias, b * NR, N, y, y_is_f32);
+    for (int64_t b = 0; b < blocks; b++) block(xp, x, x_is_f32, M, K, K16, w, bias, b * nr, nr, N, y, y_is_f32);
     free(xp);
 }
