@@ -58,8 +58,11 @@ def test_draft_k4_acceptance_floor(plain_outputs: list[list[int]]) -> None:
 
 
 def test_shipped_eagle_head_acceptance_floor(plain_outputs: list[list[int]]) -> None:
-    """The EAGLE head shipped for the target loads by default (fingerprint checked) and drafts well."""
-    llm = LLM(TARGET, dtype="bf16", speculative_config={"method": "eagle"})
+    """The EAGLE head shipped for the target loads by default (fingerprint checked) and drafts well. A fixed
+    tree shape: the adaptive one follows this machine's measured forward costs (on a CPU without AVX512 a
+    verification forward costs more, and the engine rightly drafts less), which is not what this tests."""
+    llm = LLM(TARGET, dtype="bf16", speculative_config={"method": "eagle", "num_speculative_tokens": 4,
+                                                        "draft_tree_width": 4})
     outs = llm.chat([[{"role": "user", "content": p}] for p in CODE_PROMPTS], PARAMS)
     tau = sum(o.metrics["output_tokens"] for o in outs) / sum(o.metrics["steps"] for o in outs)
     assert tau >= 1.3, tau  # a regression floor: this first head measured τ 1.63 on HumanEval (BENCHMARKS.md)
