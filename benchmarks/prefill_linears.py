@@ -3,7 +3,8 @@ up-projection), per format and kernel, for prompts of a few hundred tokens: what
 
 Decode reads each weight once per token and is bound by memory; prefill multiplies every weight by
 hundreds of rows and is bound by arithmetic, where bf16 dot products (oneDNN) do twice the work of fp32
-FMAs per instruction.
+FMAs per instruction. On a CPU with AVX2 but no AVX512 the bf16 rows are ours: the AVX2 kernel and the
+chunked fp32 matmuls of prefill (`--rows 3,16,65,128,664` shows where one overtakes the other).
 
     python benchmarks/prefill_linears.py [--rows 128,512] [--threads 2]
 """
@@ -18,23 +19,37 @@ import torch.nn.functional as F
 from linear_kernels import seconds_per_pass  # the timing loop of the decode-side twin of this script
 
 from specdecode.model import native_kernels
-from specdecode.model.fast_linear import BF16Linear, Int4WeightLinear, Int8DynamicLinear, Int8WeightLinear
+from specdecode.model.fast_linear import (
+    BF16Linear,
+    Int4WeightLinear,
+    Int8DynamicLinear,
+    Int8WeightLinear,
+    fp32_linear_by_chunks,
+    onednn_bf16_supported,
+)
 
 K, N = 1536, 8960
 
 
 def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "bf16 packed (oneDNN)": BF16Linear(lin, native=False),
-        "int8-dynamic (FBGEMM)": Int8DynamicLinear(lin, native=False),
-    }
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    w = lin.weight.detach().bfloat16()
     i8 = Int8WeightLinear(lin, native=False)
+    if onednn_bf16_supported():
+        out["bf16 packed (oneDNN)"] = BF16Linear(lin, native=False)
+    elif native_kernels.avx2_available():  # AVX2 without AVX512: oneDNN's bf16 matmul refuses to run
+        out["bf16, our AVX2 kernel (decode and verification: up to 65 rows)"] = (
+            lambda x: native_kernels.bf16_gemm_avx2(x.reshape(-1, K), w))
+        out["bf16, fp32 matmuls on 256-channel chunks (AVX2 prefill)"] = (
+            lambda x: fp32_linear_by_chunks(x.reshape(-1, K), w, None))
+        out["bf16, fp32 matmul on a whole fp32 copy per call"] = lambda x: F.linear(x.float(), w.float())
+    out["int8-dynamic (FBGEMM)"] = Int8DynamicLinear(lin, native=False)
     out["int8 weight-only, torch"] = i8
-    # int8 values are exact in bf16: a bf16 GEMM of x and q, then the channel scales.
-    out["int8 weight-only, q as bf16 + oneDNN"] = lambda x: F.linear(x, i8.weight.to(torch.bfloat16)) * i8.scales
+    if onednn_bf16_supported():
+        # int8 values are exact in bf16: a bf16 GEMM of x and q, then the channel scales.
+        out["int8 weight-only, q as bf16 + oneDNN"] = lambda x: F.linear(x, i8.weight.to(torch.bfloat16)) * i8.scales
     if native_kernels.available():
         out["int8-dynamic, ours"] = Int8DynamicLinear(lin, native=True)
-        w = lin.weight.detach().bfloat16()
         out["bf16, ours (the decode kernel; used up to 65 rows)"] = lambda x: native_kernels.bf16_gemm(x, w)
         out["bf16, torch matmul (row-major weights: prefill)"] = lambda x: F.linear(x, w)
         out["int8 weight-only, ours"] = Int8WeightLinear(lin, native=True)

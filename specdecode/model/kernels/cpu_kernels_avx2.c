@@ -15,7 +15,7 @@
 
 #define TARGET __attribute__((target("avx2,fma")))
 #define NR_MAX 8
-#define MB_MAX 4
+#define MB_MAX 3
 
 int avx2_supported(void) {
     __builtin_cpu_init();
@@ -93,7 +93,8 @@ TARGET static inline __attribute__((always_inline)) void pass(const int NR, cons
 }
 
 // Output channels [n0, n0 + nr) for all M rows: one token takes 8 channels at a time (8 chains, 8 streams),
-// two tokens 4 channels, more 2 channels x 4 rows (each decoded chunk serves 4 rows).
+// more tokens 4 channels x up to 3 rows (12 accumulators: each decoded chunk serves 3 rows, and each chunk
+// of a row read from cache serves 4 channels).
 TARGET static void block(const float* xp, const void* x, int x_is_f32, int64_t M, int64_t K, int64_t K16,
                          const uint16_t* w, const uint16_t* bias, int64_t n0, int64_t nr, int64_t N, void* y,
                          int y_is_f32) {
@@ -106,16 +107,12 @@ TARGET static void block(const float* xp, const void* x, int x_is_f32, int64_t M
         if (nr == 8) {
             mb = 1;
             pass(8, 1, xm, K16, rows, out);
-        } else if (nr == 4) {
-            mb = 2;
-            pass(4, 2, xm, K16, rows, out);
         } else {
-            mb = M - m0 < MB_MAX ? (int)(M - m0) : MB_MAX;
+            mb = M - m0 < 3 ? (int)(M - m0) : 3;
             switch (mb) {  // constant row counts: the accumulators stay in registers
-                case 1: pass(2, 1, xm, K16, rows, out); break;
-                case 2: pass(2, 2, xm, K16, rows, out); break;
-                case 3: pass(2, 3, xm, K16, rows, out); break;
-                default: pass(2, 4, xm, K16, rows, out); break;
+                case 1: pass(4, 1, xm, K16, rows, out); break;
+                case 2: pass(4, 2, xm, K16, rows, out); break;
+                default: pass(4, 3, xm, K16, rows, out); break;
             }
         }
         for (int r = 0; r < nr && n0 + r < N; r++)
@@ -139,7 +136,7 @@ TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const u
                       const uint16_t* bias, int64_t N, void* y, int y_is_f32, int threads) {
     const int64_t K16 = K / 16 * 16;
     float* xp = permuted_rows(x, x_is_f32, M, K, K16);
-    const int64_t nr = M == 1 ? 8 : M == 2 ? 4 : 2;
+    const int64_t nr = M == 1 ? 8 : 4;
     const int64_t blocks = (N + nr - 1) / nr;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++) block(xp, x, x_is_f32, M, K, K16, w, bias, b * nr, nr, N, y, y_is_f32);

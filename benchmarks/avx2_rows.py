@@ -1,0 +1,78 @@
+"""Milliseconds of the AVX2 bf16 kernel (`native_kernels.bf16_gemm_avx2`) over 24 distinct linears of the
+1.5B target's MLP shapes (1536 -> 8960 and 8960 -> 1536 in turn; 660 MB, far beyond the caches), by number
+of rows: one token (decode) up to a 64-node tree plus its root (verification). What a verification forward
+costs next to a decode step on a CPU with AVX2 but no AVX512 decides how far speculation pays there.
+
+With `--baseline-source FILE` (another version of cpu_kernels_avx2.c, e.g. from `git show REV:PATH`) both
+run in the same process, in alternating order, and their outputs are compared bit for bit.
+
+    python benchmarks/avx2_rows.py [--rows 1,2,3,4,8,16,32,65] [--baseline-source OLD.c]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode.model import native_kernels
+from specdecode.native_build import build_shared
+
+LAYERS = 24
+SHAPES = ((8960, 1536), (1536, 8960))  # (N, K) in turn
+
+
+def load_source(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_shared(path.read_text(), "cpu-kernels-avx2-baseline", native_kernels.FLAGS)))
+    p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.bf16_gemm.argtypes = [p, i, n, n, p, p, n, p, i, i]
+    lib.bf16_gemm.restype = None
+    return lib
+
+
+def seconds(lib: ctypes.CDLL, weights: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for w in weights:
+        native_kernels._gemm("bf16", xs[w.shape[1]], w, None, lib=lib)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,3,4,8,16,32,65")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--baseline-source", type=Path)
+    args = ap.parse_args()
+    current = native_kernels._avx2_library()
+    if current is None:
+        raise SystemExit("the AVX2 kernel does not build or run here")
+    libs = {"this kernel": current}
+    if args.baseline_source:
+        libs["baseline"] = load_source(args.baseline_source)
+    torch.manual_seed(0)
+    weights = [torch.randn(*SHAPES[i % 2]).bfloat16() for i in range(LAYERS)]
+    names = list(libs)
+    print("| rows | " + " | ".join(f"{n}: ms" for n in names) + (" | this ÷ baseline | bit-equal |" if len(names) > 1 else " |"))
+    print("|---:|" + "---:|" * len(names) + ("---:|---|" if len(names) > 1 else ""))
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(m, k) for _, k in SHAPES}
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.repeats + 1):
+            for n in names if r % 2 else names[::-1]:
+                samples[n].append(seconds(libs[n], weights, xs))
+        ms = [statistics.median(samples[n][1:]) * 1e3 for n in names]  # the first pass warms up
+        cells = [f"{v:.1f}" for v in ms]
+        if len(names) > 1:
+            same = all(torch.equal(native_kernels._gemm("bf16", xs[k], w, None, lib=libs[names[0]]),
+                                   native_kernels._gemm("bf16", xs[k], w, None, lib=libs[names[1]]))
+                       for w, (_, k) in zip(weights[:2], SHAPES, strict=True))
+            cells += [f"{ms[0] / ms[1]:.2f}", str(same)]
+        print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
