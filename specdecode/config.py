@@ -36,7 +36,7 @@ class SpeculativeConfig:
     ride along in the draft's forwards (a run the draft would have drafted anyway costs one forward), and a
     step verifies the guess alone when it promises more tokens per second than drafting. Trees (draft
     model, EAGLE, Medusa): the guess is grafted onto the tree as one more branch."""
-    head_prompt_tokens: bool = True
+    head_prompt_tokens: bool = False
     """EAGLE and Medusa heads also score the prompt's tokens that their draft vocabulary lacks (names and words
     an answer copies; needs a target whose output rows are its input embeddings, as Qwen2.5's)."""
     draft_dtype: str = "auto"

@@ -113,10 +113,10 @@ def test_parse_method():
     assert parse_method("draft-nolookup-k4", "d").speculative_config == {
         "method": "draft", "num_speculative_tokens": 4, "model": "d", "draft_prompt_lookup": False}
     assert parse_method("eagle-nolookup", None, {"eagle": "e"}).speculative_config["draft_prompt_lookup"] is False
-    assert parse_method("eagle-nolookup-headvocab-k3", None, {"eagle": "e"}).speculative_config == {
+    assert parse_method("eagle-nolookup-promptvocab-k3", None, {"eagle": "e"}).speculative_config == {
         "method": "eagle", "num_speculative_tokens": 3, "model": "e", "draft_prompt_lookup": False,
-        "head_prompt_tokens": False}
-    for bad in ("plain-k2", "medusa", "draft-k", "ngram-nolookup", "plain-nolookup", "draft-headvocab"):
+        "head_prompt_tokens": True}
+    for bad in ("plain-k2", "medusa", "draft-k", "ngram-nolookup", "plain-nolookup", "draft-promptvocab"):
         with pytest.raises(ValueError):
             parse_method(bad, "d")
     with pytest.raises(ValueError, match="--draft"):

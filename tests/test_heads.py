@@ -64,6 +64,13 @@ def test_prompt_tokens_join_the_heads_columns(tiny_tied_dir: Path, tiny_llama_di
     untied = load_model(str(tiny_llama_dir), "fp32", "cpu").model
     head = new_head(untied, "eagle", torch.arange(0, untied.config.vocab_size, 2), seed=3)
     assert head.prompt_columns([3, 5])[0].numel() == 0
+    # Untied in the file but the same matrix quantized twice (a GGUF of a tied model): the rows count as tied.
+    emb = untied.model.embed_tokens.weight
+    noise = torch.randn(emb.shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        untied.lm_head.weight.copy_(emb + 0.02 * emb.std() * noise)
+    head = new_head(untied, "eagle", torch.arange(0, untied.config.vocab_size, 2), seed=3)
+    assert head.prompt_columns([3, 5])[0].tolist() == [3, 5]
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])

@@ -268,3 +268,34 @@ def test_forward_beyond_cache_size_is_a_clear_error(lm: LoadedModel) -> None:
     cache = lm.model.new_cache(1, 8)
     with pytest.raises(ValueError, match="beyond the cache size"):
         _forward(lm, cache, _tokens(lm, 3, seed=30), 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_attention_rows_equal_single_query_decodes_bit_for_bit(dtype: torch.dtype) -> None:
+    """Each verified row attends exactly as the single-token decode of its token would: same keys in slot
+    order, same operations, so the same bits, whatever else the forward holds (masked tree siblings, more
+    rows); and it is attention (close to SDPA)."""
+    from specdecode.model.transformer import row_attention
+
+    g = torch.Generator().manual_seed(0)
+    heads, kvh, hd, prefix, t = 6, 2, 16, 37, 9
+    q = torch.randn(1, heads, t, hd, generator=g).to(dtype)
+    keys = torch.randn(1, kvh, prefix + t, hd, generator=g).to(dtype)
+    values = torch.randn(1, kvh, prefix + t, hd, generator=g).to(dtype)
+    parents = [-1, 0, 0, 1, 1, 2, 3, -1, 7]  # a tree of 7 nodes and a second root with a child
+    mask = torch.zeros(1, 1, t, prefix + t, dtype=torch.bool)
+    mask[..., :prefix] = True
+    for node in range(t):
+        j = node
+        while j >= 0:
+            mask[0, 0, node, prefix + j] = True
+            j = parents[j]
+    out = row_attention(q, keys, values, mask)  # [1, H, T, hd]
+    for node in range(t):
+        seen = mask[0, 0, node].nonzero().squeeze(-1)  # the cache a decode of this token would hold
+        alone = row_attention(q[:, :, node : node + 1], keys[:, :, seen], values[:, :, seen], None)
+        assert torch.equal(out[:, :, node : node + 1], alone)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask,
+                                                           enable_gqa=True)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-5)

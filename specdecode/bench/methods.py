@@ -6,12 +6,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-_METHOD_RE = re.compile(r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree|-w\d+)?(-nolookup)?(-headvocab)?(?:-k(\d+))?$")
+_METHOD_RE = re.compile(
+    r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree|-w\d+)?(-nolookup)?(-promptvocab)?(?:-k(\d+))?$")
 METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
                "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default), -wN a tree "
                "keeping N nodes per level (e.g. eagle-w2-k4: at most 8 nodes, like the chain eagle-chain-k8); "
-               "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; -headvocab (eagle, medusa) "
-               "drafts from the head's own vocabulary only (not also the prompt's tokens it lacks); "
+               "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; -promptvocab (eagle, medusa) "
+               "also drafts the prompt's tokens the head's vocabulary lacks (head_prompt_tokens); "
                ":LABEL uses the head given as --head LABEL=DIR (eagle:v4; compares heads in one run); "
                "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4; default exact)")
 TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
@@ -43,7 +44,7 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
             or (m.group(3) and m.group(1) not in ("draft", "eagle", "medusa"))
             or (m.group(4) and m.group(1) not in ("eagle", "medusa"))):
         raise ValueError(f"unknown method {name!r}: {METHOD_HELP}")
-    kind, shape, nolookup, headvocab, k = m.groups()
+    kind, shape, nolookup, promptvocab, k = m.groups()
     if label and kind not in ("eagle", "medusa"):
         raise ValueError(f"method {name!r}: only eagle and medusa take a head label (:{label})")
     full_name = f"{name}:{label}" if label else name
@@ -66,6 +67,6 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         cfg["draft_tree_width"] = widths[shape] if shape in widths else int(shape[2:])
     if nolookup:
         cfg["draft_prompt_lookup"] = False
-    if headvocab:
-        cfg["head_prompt_tokens"] = False
+    if promptvocab:
+        cfg["head_prompt_tokens"] = True
     return MethodSpec(full_name, cfg)

@@ -107,6 +107,38 @@ def small_attention(
     return out.reshape(b, h, t, hd).to(q.dtype)
 
 
+EXACT_ATTENTION_TOKENS = 65
+"""Queries per forward up to which the module path attends row by row (`row_attention`): decode, and the
+verification of a chain or of a tree of up to 64 nodes plus its root. Longer forwards (prefill) take SDPA."""
+
+
+def row_attention(
+    q: torch.Tensor,  # [B, H, T, hd]
+    keys: torch.Tensor,  # [B, kvh, S, hd]
+    values: torch.Tensor,  # [B, kvh, S, hd]
+    mask: torch.Tensor | None,  # [B, 1, T, S] bool; None: every slot
+) -> torch.Tensor:
+    """Attention of each query over only the slots it sees, gathered in slot order, in fp32. A verified
+    token's row then makes the same operations on the same values as the single-token decode of that
+    token would (its cache holds the same keys, contiguous after compaction), so its logits have the same
+    bits: a softmax over a longer row of masked slots, or a kernel picked by the number of queries, would
+    round differently and could flip a greedy near-tie (seen on bf16 Spec-Bench answers)."""
+    b, h, t, hd = q.shape
+    kvh, s = keys.shape[1], keys.shape[2]
+    g = h // kvh
+    out = torch.empty(b, h, t, hd, dtype=q.dtype, device=q.device)
+    every = torch.arange(s, device=q.device)
+    for i in range(b):
+        for j in range(t):
+            idx = every if mask is None else mask[i, 0, j].nonzero().squeeze(-1)
+            k = keys[i].index_select(1, idx).float()  # [kvh, S', hd], contiguous
+            v = values[i].index_select(1, idx).float()
+            qg = q[i, :, j].float().reshape(kvh, g, hd).contiguous()  # head i uses KV head i // g, as in HF
+            scores = torch.bmm(qg, k.transpose(1, 2)) * (hd**-0.5)  # [kvh, g, S']
+            out[i, :, j] = torch.bmm(torch.softmax(scores, dim=-1), v).reshape(h, hd).to(q.dtype)
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -168,8 +200,8 @@ class Attention(nn.Module):
             keys, values = cache.read(self.layer_idx, kv_len)  # [B, kvh, S, hd]
         if fused:
             return self.o_proj(native_kernels.attend(q, keys, values, mask, self.hd**-0.5))
-        if t <= SMALL_ATTENTION_TOKENS:
-            out = small_attention(q, keys, values, mask)
+        if t <= EXACT_ATTENTION_TOKENS:
+            out = row_attention(q, keys, values, mask)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
