@@ -56,7 +56,8 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(*SHAPES[i % 2]).bfloat16() for i in range(LAYERS)]
     names = list(libs)
-    print("| rows | " + " | ".join(f"{n}: ms" for n in names) + (" | this ÷ baseline | bit-equal |" if len(names) > 1 else " |"))
+    extra = " | this ÷ baseline | bit-equal |" if len(names) > 1 else " |"
+    print("| rows | " + " | ".join(f"{n}: ms" for n in names) + extra)
     print("|---:|" + "---:|" * len(names) + ("---:|---|" if len(names) > 1 else ""))
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k) for _, k in SHAPES}
