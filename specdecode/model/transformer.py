@@ -108,8 +108,9 @@ def small_attention(
 
 
 EXACT_ATTENTION_TOKENS = 65
-"""Queries per forward up to which the module path attends row by row (`row_attention`): decode, and the
-verification of a chain or of a tree of up to 64 nodes plus its root. Longer forwards (prefill) take SDPA."""
+"""Queries per forward up to which the module path attends row by row on CPU (`row_attention`): decode, and
+the verification of a chain or of a tree of up to 64 nodes plus its root. Longer forwards (prefill) take SDPA;
+on CUDA, `small_attention` up to 16 queries (its rows are not bit-exact against single decodes)."""
 
 
 def row_attention(
@@ -200,8 +201,10 @@ class Attention(nn.Module):
             keys, values = cache.read(self.layer_idx, kv_len)  # [B, kvh, S, hd]
         if fused:
             return self.o_proj(native_kernels.attend(q, keys, values, mask, self.hd**-0.5))
-        if t <= EXACT_ATTENTION_TOKENS:
+        if t <= EXACT_ATTENTION_TOKENS and q.device.type == "cpu":
             out = row_attention(q, keys, values, mask)
+        elif t <= SMALL_ATTENTION_TOKENS:  # CUDA: a Python loop over rows would cost more than the forward
+            out = small_attention(q, keys, values, mask)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
