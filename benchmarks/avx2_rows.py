@@ -20,18 +20,9 @@ from pathlib import Path
 import torch
 
 from specdecode.model import native_kernels
-from specdecode.native_build import build_shared
 
 LAYERS = 24
 SHAPES = ((8960, 1536), (1536, 8960))  # (N, K) in turn
-
-
-def load_source(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_shared(path.read_text(), "cpu-kernels-avx2-baseline", native_kernels.FLAGS)))
-    p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.bf16_gemm.argtypes = [p, i, n, n, p, p, n, p, i, i]
-    lib.bf16_gemm.restype = None
-    return lib
 
 
 def seconds(lib: ctypes.CDLL, weights: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> float:
@@ -52,7 +43,10 @@ def main() -> None:
         raise SystemExit("the AVX2 kernel does not build or run here")
     libs = {"this kernel": current}
     if args.baseline_source:
-        libs["baseline"] = load_source(args.baseline_source)
+        baseline = native_kernels.load_avx2_library(args.baseline_source, "cpu-kernels-avx2-baseline")
+        if baseline is None:
+            raise SystemExit(f"{args.baseline_source} does not build or run here")
+        libs["baseline"] = baseline
     torch.manual_seed(0)
     weights = [torch.randn(*SHAPES[i % 2]).bfloat16() for i in range(LAYERS)]
     names = list(libs)

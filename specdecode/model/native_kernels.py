@@ -81,13 +81,18 @@ def available() -> bool:
     return _library() is not None
 
 
-@functools.cache
-def _avx2_library() -> ctypes.CDLL | None:
-    lib = _load(SOURCE_AVX2, "cpu-kernels-avx2", "avx2_supported")
+def load_avx2_library(source: Path = SOURCE_AVX2, name: str = "cpu-kernels-avx2") -> ctypes.CDLL | None:
+    """The AVX2 library built from `source` (another version of it for an A/B: benchmarks/avx2_rows.py)."""
+    lib = _load(source, name, "avx2_supported")
     if lib is not None:
         lib.bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
         lib.bf16_gemm.restype = None
     return lib
+
+
+@functools.cache
+def _avx2_library() -> ctypes.CDLL | None:
+    return load_avx2_library()
 
 
 def avx2_available() -> bool:

@@ -108,7 +108,7 @@ TARGET static void block(const float* xp, const void* x, int x_is_f32, int64_t M
             mb = 1;
             pass(8, 1, xm, K16, rows, out);
         } else {
-            mb = M - m0 < 3 ? (int)(M - m0) : 3;
+            mb = M - m0 < MB_MAX ? (int)(M - m0) : MB_MAX;
             switch (mb) {  // constant row counts: the accumulators stay in registers
                 case 1: pass(4, 1, xm, K16, rows, out); break;
                 case 2: pass(4, 2, xm, K16, rows, out); break;
