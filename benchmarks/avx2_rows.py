@@ -4,7 +4,9 @@ of rows: one token (decode) up to a 64-node tree plus its root (verification). W
 costs next to a decode step on a CPU with AVX2 but no AVX512 decides how far speculation pays there.
 
 With `--baseline-source FILE` (another version of cpu_kernels_avx2.c, e.g. from `git show REV:PATH`) both
-run in the same process, in alternating order, and their outputs are compared bit for bit.
+run in the same process, in alternating order, and their outputs are compared (bit for bit when both sum in
+the same order). A version that exports `bf16_pack_group` takes weights packed by
+`native_kernels.pack_bf16_avx2`; one without it (before session 13) the plain [N, K] weights.
 
     python benchmarks/avx2_rows.py [--rows 1,2,3,4,8,16,32,65] [--baseline-source OLD.c]
 """
@@ -25,10 +27,16 @@ LAYERS = 24
 SHAPES = ((8960, 1536), (1536, 8960))  # (N, K) in turn
 
 
-def seconds(lib: ctypes.CDLL, weights: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> float:
+def gemm(lib: ctypes.CDLL, x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x times the plain weights w[0] [N, K], given to `lib` in its layout (w[1]: packed)."""
+    packed = hasattr(lib, "bf16_pack_group")
+    return native_kernels._gemm("bf16", x, w[packed], None, n=w[0].shape[0], lib=lib)
+
+
+def seconds(lib: ctypes.CDLL, weights: list[tuple[torch.Tensor, torch.Tensor]], xs: dict[int, torch.Tensor]) -> float:
     t0 = time.perf_counter()
     for w in weights:
-        native_kernels._gemm("bf16", xs[w.shape[1]], w, None, lib=lib)
+        gemm(lib, xs[w[0].shape[1]], w)
     return time.perf_counter() - t0
 
 
@@ -48,11 +56,12 @@ def main() -> None:
             raise SystemExit(f"{args.baseline_source} does not build or run here")
         libs["baseline"] = baseline
     torch.manual_seed(0)
-    weights = [torch.randn(*SHAPES[i % 2]).bfloat16() for i in range(LAYERS)]
+    plain = [torch.randn(*SHAPES[i % 2]).bfloat16() for i in range(LAYERS)]
+    weights = [(w, native_kernels.pack_bf16_avx2(w)) for w in plain]  # both layouts: 1.3 GB
     names = list(libs)
-    extra = " | this ÷ baseline | bit-equal |" if len(names) > 1 else " |"
+    extra = " | this ÷ baseline | bit-equal | max relative difference |" if len(names) > 1 else " |"
     print("| rows | " + " | ".join(f"{n}: ms" for n in names) + extra)
-    print("|---:|" + "---:|" * len(names) + ("---:|---|" if len(names) > 1 else ""))
+    print("|---:|" + "---:|" * len(names) + ("---:|---|---:|" if len(names) > 1 else ""))
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k) for _, k in SHAPES}
         samples: dict[str, list[float]] = {n: [] for n in names}
@@ -62,10 +71,11 @@ def main() -> None:
         ms = [statistics.median(samples[n][1:]) * 1e3 for n in names]  # the first pass warms up
         cells = [f"{v:.1f}" for v in ms]
         if len(names) > 1:
-            same = all(torch.equal(native_kernels._gemm("bf16", xs[k], w, None, lib=libs[names[0]]),
-                                   native_kernels._gemm("bf16", xs[k], w, None, lib=libs[names[1]]))
-                       for w, (_, k) in zip(weights[:2], SHAPES, strict=True))
-            cells += [f"{ms[0] / ms[1]:.2f}", str(same)]
+            pairs = [(gemm(libs[names[0]], xs[k], w), gemm(libs[names[1]], xs[k], w))
+                     for w, (_, k) in zip(weights[:2], SHAPES, strict=True)]
+            same = all(torch.equal(a, b) for a, b in pairs)
+            rel = max(float(((a - b).abs() / b.abs().max()).max()) for a, b in pairs)
+            cells += [f"{ms[0] / ms[1]:.2f}", str(same), f"{rel:.1e}"]
         print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -38,10 +38,11 @@ def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.T
     if onednn_bf16_supported():
         out["bf16 packed (oneDNN)"] = BF16Linear(lin, native=False)
     elif native_kernels.avx2_available():  # AVX2 without AVX512: oneDNN's bf16 matmul refuses to run
+        wp = native_kernels.pack_bf16_avx2(w)
         out["bf16, our AVX2 kernel (decode and verification: up to 65 rows)"] = (
-            lambda x: native_kernels.bf16_gemm_avx2(x.reshape(-1, K), w))
+            lambda x: native_kernels.bf16_gemm_avx2(x.reshape(-1, K), wp, N))
         out["bf16, fp32 matmuls on 256-channel chunks (AVX2 prefill)"] = (
-            lambda x: fp32_linear_by_chunks(x.reshape(-1, K), w, None))
+            lambda x: fp32_linear_by_chunks(x.reshape(-1, K), wp, N, None))
         out["bf16, fp32 matmul on a whole fp32 copy per call"] = lambda x: F.linear(x.float(), w.float())
     out["int8-dynamic (FBGEMM)"] = Int8DynamicLinear(lin, native=False)
     out["int8 weight-only, torch"] = i8

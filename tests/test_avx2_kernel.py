@@ -12,13 +12,26 @@ from specdecode.model.fast_linear import BF16Linear, onednn_bf16_supported
 pytestmark = pytest.mark.skipif(not native_kernels.avx2_available(), reason="no AVX2 CPU or no C compiler")
 
 
+@pytest.mark.parametrize(("n", "k"), [(16, 3), (20, 5), (33, 1)])
+def test_packing_round_trips_and_puts_channels_where_the_unpacks_expect_them(n: int, k: int) -> None:
+    w = torch.randn(n, k).bfloat16()
+    packed = native_kernels.pack_bf16_avx2(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    assert torch.equal(native_kernels.unpack_bf16_avx2(packed, n), w)
+    # the low 128-bit halves of a group's 16 values hold channels 0-3 and 4-7, the high halves 8-11 and 12-15
+    assert torch.equal(packed[0, 0, 4:8], w[8:12, 0]) and torch.equal(packed[0, 0, 8:12], w[4:8, 0])
+    assert torch.equal(native_kernels.avx2_natural_order(torch.arange(32)), torch.tensor(
+        [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15] * 2) + torch.arange(32) // 16 * 16)
+
+
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """fp64 sum of the bf16-rounded inputs times the bf16 weights (+ bias)."""
     y = x.bfloat16().double() @ w.double().T
     return y if bias is None else y + bias.double()
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 1536, 96), (3, 64, 40), (5, 1545, 33), (17, 16, 7), (2, 9, 5)])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1536, 96), (3, 64, 40), (5, 1545, 33), (17, 16, 7), (2, 9, 5),
+                                          (13, 40, 70), (2, 24, 100)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_matches_reference_and_rows_are_independent(m: int, k: int, n: int, with_bias: bool) -> None:
     g = torch.Generator().manual_seed(m * k + n)
@@ -26,14 +39,15 @@ def test_matches_reference_and_rows_are_independent(m: int, k: int, n: int, with
     w = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
     ref = _reference(x, w, bias)
-    y = native_kernels.bf16_gemm_avx2(x, w, bias)  # fp32 in, fp32 out
+    packed = native_kernels.pack_bf16_avx2(w)
+    y = native_kernels.bf16_gemm_avx2(x, packed, n, bias)  # fp32 in, fp32 out
     assert y.dtype == torch.float32
     bound = 4 * k * torch.finfo(torch.float32).eps * (x.bfloat16().double().abs() @ w.double().abs().T) + 1e-6
     assert ((y.double() - ref).abs() <= bound).all()
-    yb = native_kernels.bf16_gemm_avx2(x.bfloat16(), w, bias)  # bf16 in: the same sums, rounded once at the end
+    yb = native_kernels.bf16_gemm_avx2(x.bfloat16(), packed, n, bias)  # bf16 in: the same sums, rounded once at the end
     assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
     for i in range(m):  # a row's result does not depend on the other rows of the call
-        assert torch.equal(native_kernels.bf16_gemm_avx2(x[i : i + 1], w, bias), y[i : i + 1])
+        assert torch.equal(native_kernels.bf16_gemm_avx2(x[i : i + 1], packed, n, bias), y[i : i + 1])
 
 
 @pytest.mark.skipif(onednn_bf16_supported() or native_kernels.available(),
@@ -43,7 +57,8 @@ def test_bf16_linear_takes_the_avx2_kernel_where_onednn_cannot() -> None:
     module = BF16Linear(lin)
     assert module.avx2
     x = torch.randn(4, 48, dtype=torch.bfloat16)
-    assert torch.equal(module(x), native_kernels.bf16_gemm_avx2(x, lin.weight.detach(), lin.bias.detach()))
+    packed = native_kernels.pack_bf16_avx2(lin.weight.detach())
+    assert torch.equal(module(x), native_kernels.bf16_gemm_avx2(x, packed, 20, lin.bias.detach()))
     long = torch.randn(80, 48, dtype=torch.bfloat16)  # prefill rows: an fp32 matmul of the same values
     ref = torch.nn.functional.linear(long.float(), lin.weight.float(), lin.bias.float())
     torch.testing.assert_close(module(long).float(), ref.bfloat16().float(), rtol=1e-2, atol=1e-2)

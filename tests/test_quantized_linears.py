@@ -268,7 +268,7 @@ def test_fp32_linear_by_chunks_equals_one_fp32_matmul(m: int, n: int, chunk: int
     x = torch.randn(m, 48, generator=g)
     w = torch.randn(n, 48, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    y = fp32_linear_by_chunks(x, w, bias, chunk=chunk)
+    y = fp32_linear_by_chunks(x, native_kernels.pack_bf16_avx2(w), n, bias, chunk=chunk)
     ref = torch.nn.functional.linear(x.bfloat16().float(), w.float(), None if bias is None else bias.float())
     assert y.shape == (m, n) and y.is_contiguous()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

@@ -60,21 +60,24 @@ FP32_CHUNK_CHANNELS = 256
 Zen 3's L3 between their conversion and their matmul."""
 
 
-def fp32_linear_by_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def fp32_linear_by_chunks(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
                           chunk: int = FP32_CHUNK_CHANNELS) -> torch.Tensor:
-    """x [M, K] (rounded to bf16 first, as the kernels do) times bf16 weight [N, K]^T (+ bias) in fp32 -> [M, N].
+    """x [M, K] (rounded to bf16 first, as the kernels do) times the bf16 weights packed for the AVX2 kernel
+    (`native_kernels.pack_bf16_avx2`: [groups, K, 16], N = n) + bias, in fp32 -> [M, N].
 
     Converting the whole weight to fp32 per call writes and re-reads twice its bytes in memory (~40% of a
     prefill's time on a 2-core AVX2 CPU); a chunk at a time converts into cache and multiplies from there."""
     xf = x.to(torch.bfloat16).float().t()  # [K, M]
-    n, k = weight.shape
-    yt = torch.empty(n, x.shape[0])  # [N, M]: each chunk's rows are contiguous
-    buf = torch.empty(min(chunk, n), k)
-    for c0 in range(0, n, chunk):
-        c1 = min(n, c0 + chunk)
-        w = buf[: c1 - c0]
-        w.copy_(weight[c0:c1])
-        torch.mm(w, xf, out=yt[c0:c1])
+    groups, k, width = packed.shape
+    per = max(1, chunk // width)  # groups per chunk
+    yt = torch.empty(groups * width, x.shape[0])  # [N rounded up to groups, M], channels in storage order
+    buf = torch.empty(k, min(groups, per) * width)  # [K, chunk channels]: the packed k-major groups side by side
+    for g0 in range(0, groups, per):
+        g1 = min(groups, g0 + per)
+        w = buf[:, : (g1 - g0) * width]
+        w.view(k, g1 - g0, width).copy_(packed[g0:g1].transpose(0, 1))
+        torch.mm(w.t(), xf, out=yt[g0 * width : g1 * width])
+    yt = native_kernels.avx2_natural_order(yt)[:n]
     if bias is not None:
         yt += bias.float()[:, None]
     return yt.t().contiguous()
@@ -101,8 +104,10 @@ class BF16Linear(nn.Module):
         self.avx2 = not self.native and not onednn_bf16_supported() and native_kernels.avx2_available()
         """A CPU without AVX512 (oneDNN's bf16 matmul refuses to run): our AVX2 kernel for a few rows,
         fp32 matmuls for prefill."""
-        if self.native or self.avx2:
+        if self.native:
             self.weight = w.contiguous()  # [N, K]
+        elif self.avx2:
+            self.packed_avx2 = native_kernels.pack_bf16_avx2(w)  # [N/16, K, 16]; a copy (of a tied lm_head too)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()  # own copy
@@ -113,11 +118,13 @@ class BF16Linear(nn.Module):
         shape = x.shape
         if x.numel() // shape[-1] > NATIVE_BF16_MAX_ROWS:
             if self.avx2:  # torch's bf16 matmul has no fast path here: fp32 matmuls on chunks of the weights
-                y = fp32_linear_by_chunks(x.reshape(-1, shape[-1]), self.weight, self.bias)  # [M, N] fp32
-                return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
+                y = fp32_linear_by_chunks(x.reshape(-1, shape[-1]), self.packed_avx2, self.out_features, self.bias)
+                return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)  # [..., N]
             return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
-        gemm = native_kernels.bf16_gemm if self.native else native_kernels.bf16_gemm_avx2
-        y = gemm(x, self.weight, self.bias)  # [M, N] in x's dtype
+        if self.avx2:
+            y = native_kernels.bf16_gemm_avx2(x, self.packed_avx2, self.out_features, self.bias)  # [M, N], x's dtype
+        else:
+            y = native_kernels.bf16_gemm(x, self.weight, self.bias)
         return y.reshape(*shape[:-1], y.shape[-1])
 
 

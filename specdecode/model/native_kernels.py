@@ -84,6 +84,8 @@ def available() -> bool:
 def load_avx2_library(source: Path = SOURCE_AVX2, name: str = "cpu-kernels-avx2") -> ctypes.CDLL | None:
     """The AVX2 library built from `source` (another version of it for an A/B: benchmarks/avx2_rows.py)."""
     lib = _load(source, name, "avx2_supported")
+    if lib is not None and hasattr(lib, "bf16_pack_group"):
+        assert lib.bf16_pack_group() == AVX2_GROUP
     if lib is not None:
         lib.bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
         lib.bf16_gemm.restype = None
@@ -224,10 +226,38 @@ def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     return _gemm("bf16", x, w, bias)
 
 
-def bf16_gemm_avx2(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`bf16_gemm` for AVX2 CPUs (`avx2_available()`): same contract, same values up to summation order."""
-    assert w.dtype == torch.bfloat16 and w.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)
-    return _gemm("bf16", x, w, bias, lib=_avx2_library())
+AVX2_GROUP = 16
+"""Output channels per group of the AVX2 kernel's packed weights."""
+_AVX2_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+"""Channel stored at each place of a group (its own inverse): the kernel's unpacks work per 128-bit half."""
+
+
+def pack_bf16_avx2(w: torch.Tensor) -> torch.Tensor:
+    """bf16 w [N, K] -> the AVX2 kernel's layout [ceil(N/16), K, 16] (k-major groups of 16 channels, zero-padded)."""
+    n, k = w.shape
+    groups = -(-n // AVX2_GROUP)
+    padded = torch.zeros(groups * AVX2_GROUP, k, dtype=torch.bfloat16)
+    padded[:n] = w
+    return padded.view(groups, AVX2_GROUP, k)[:, _AVX2_ORDER].transpose(1, 2).contiguous()
+
+
+def unpack_bf16_avx2(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The [N, K] weights of `pack_bf16_avx2`'s layout."""
+    groups, k, _ = packed.shape
+    return packed.transpose(1, 2)[:, _AVX2_ORDER].reshape(groups * AVX2_GROUP, k)[:n]
+
+
+def avx2_natural_order(rows: torch.Tensor) -> torch.Tensor:
+    """Rows [groups * 16, ...] in a packed group's storage order -> channel order (the order is its own inverse)."""
+    return rows.view(-1, AVX2_GROUP, *rows.shape[1:])[:, _AVX2_ORDER].reshape(rows.shape)
+
+
+def bf16_gemm_avx2(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`bf16_gemm` for AVX2 CPUs (`avx2_available()`) on weights packed by `pack_bf16_avx2` (N = n): same
+    contract, same values up to summation order."""
+    assert packed.dtype == torch.bfloat16 and packed.is_contiguous() and packed.shape[2] == AVX2_GROUP
+    assert bias is None or bias.dtype == torch.bfloat16
+    return _gemm("bf16", x, packed, bias, n=n, lib=_avx2_library())
 
 
 def _check_tiles(tiles: torch.Tensor, n: int, row_bytes: int) -> None:

@@ -3,10 +3,16 @@
 // torch's bf16 linear falls back to a scalar-ish path (~1 GB/s for one token). Here each bf16 weight becomes
 // an fp32 by moving its 16 bits to the top of a 32-bit lane (exact), and FMAs accumulate in fp32.
 //
-// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), x rounded to bf16 first (as the AVX512 kernel does), fp32
-// accumulation in an order that does not depend on M, so a row's result is the same whatever the other
-// rows of the forward (verification rows equal single-token forwards bit for bit). Threads split the
-// output channels.
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), x rounded to bf16 first (as the AVX512 kernel does). Each
+// output is one chain of FMAs over k = 0, 1, ..., K-1 whatever M and the blocking, so a row's result is the
+// same whatever the other rows of the forward (verification rows equal single-token forwards bit for bit).
+//
+// Weights are pre-packed (`bf16_pack_avx2`): groups of 16 output channels, k-major inside a group
+// ([N/16][K][16]), so that one 32-byte load gives 16 channels at one k, and each broadcast activation feeds
+// 2 FMAs per group (an outer product: as BLAS kernels do, and ~1.5x fewer loads per FMA than dot products over
+// the [N, K] layout, which mattered because verification rows are bound by arithmetic here). Inside a group
+// the channels are stored in the order 0-3, 8-11, 4-7, 12-15: unpacking 16 bf16 against zero works per
+// 128-bit half, so the low unpack then gives channels 0-7 and the high one 8-15. Threads split the groups.
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -14,13 +20,16 @@
 #include <string.h>
 
 #define TARGET __attribute__((target("avx2,fma")))
-#define NR_MAX 8
-#define MB_MAX 3
+#define GROUP 16
+#define NB_MAX 4  // channel groups per pass: 4 for one row, 2 for two or three, else 1 (8 to 12 chains in flight)
+#define RB_MAX 6  // rows per pass: 6 x 2 accumulators + 2 weight registers + 1 broadcast of 16 ymm registers
 
 int avx2_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+
+int bf16_pack_group(void) { return GROUP; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -35,110 +44,98 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even (no NaN 
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-// x [M, K] (fp32 or bf16) as fp32 values of bf16, each chunk of 16 permuted to the lanes that the weight
-// decode produces: unpacking 16 bf16 against zero gives, per 128-bit half, elements 0-3 / 8-11 (low) and
-// 4-7 / 12-15 (high). Returns [M, K16] with K16 = K rounded down to 16; the tail stays in `x`.
-static float* permuted_rows(const void* x, int x_is_f32, int64_t M, int64_t K, int64_t K16) {
-    float* out = (float*)malloc((size_t)(M * (K16 > 0 ? K16 : 1)) * sizeof(float));
-    static const int order[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t k = 0; k < K16; k += 16)
-            for (int j = 0; j < 16; j++) {
-                const int64_t idx = m * K + k + order[j];
-                const float v = x_is_f32 ? round_bf16(((const float*)x)[idx]) : bf16_to_f32(((const uint16_t*)x)[idx]);
-                out[m * K16 + k + j] = v;
-            }
-    return out;
-}
-
-static inline float x_at(const void* x, int x_is_f32, int64_t idx) {
-    return x_is_f32 ? round_bf16(((const float*)x)[idx]) : bf16_to_f32(((const uint16_t*)x)[idx]);
-}
-
-TARGET static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// One pass over NR output channels for MB rows of x: out[i * NR + r] = sum over whole chunks of 16. Each sum
-// is one chain of FMAs (low half, then high half of each chunk), whatever NR and MB: the blocking changes
-// speed, never bits. Each chunk's weights are decoded once for the MB rows.
-TARGET static inline __attribute__((always_inline)) void pass(const int NR, const int MB, const float* xm,
-                                                                int64_t K16, const uint16_t* const* rows,
-                                                                float* out) {
+// One pass over K for NB channel groups and RB rows: out[i * stride + b * 16 + c], channels in natural order.
+TARGET static inline __attribute__((always_inline)) void pass(const int NB, const int RB, const float* xt, int64_t M,
+                                                                int64_t K, const uint16_t* const* groups,
+                                                                float* out, int stride) {
     const __m256i zero = _mm256_setzero_si256();
-    __m256 acc[NR_MAX][MB_MAX];
-    for (int r = 0; r < NR; r++)
-        for (int i = 0; i < MB; i++) acc[r][i] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K16; k += 16) {
-#pragma GCC unroll 8
-        for (int r = 0; r < NR; r++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(rows[r] + k));
-            const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
-            const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+    __m256 acc[NB_MAX][2][RB_MAX];
+    for (int b = 0; b < NB; b++)
+        for (int i = 0; i < RB; i++) acc[b][0][i] = acc[b][1][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float* xk = xt + k * M;
 #pragma GCC unroll 4
-            for (int i = 0; i < MB; i++) {
-                const float* xi = xm + i * K16 + k;
-                acc[r][i] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xi), acc[r][i]);
-                acc[r][i] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xi + 8), acc[r][i]);
+        for (int b = 0; b < NB; b++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(groups[b] + k * GROUP));
+            const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));  // channels 0-7
+            const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));  // channels 8-15
+#pragma GCC unroll 6
+            for (int i = 0; i < RB; i++) {
+                const __m256 xv = _mm256_broadcast_ss(xk + i);
+                acc[b][0][i] = _mm256_fmadd_ps(lo, xv, acc[b][0][i]);
+                acc[b][1][i] = _mm256_fmadd_ps(hi, xv, acc[b][1][i]);
             }
         }
     }
-    for (int r = 0; r < NR; r++)
-        for (int i = 0; i < MB; i++) out[i * NR + r] = hsum(acc[r][i]);
-}
-
-// Output channels [n0, n0 + nr) for all M rows: one token takes 8 channels at a time (8 chains, 8 streams),
-// more tokens 4 channels x up to 3 rows (12 accumulators: each decoded chunk serves 3 rows, and each chunk
-// of a row read from cache serves 4 channels).
-TARGET static void block(const float* xp, const void* x, int x_is_f32, int64_t M, int64_t K, int64_t K16,
-                         const uint16_t* w, const uint16_t* bias, int64_t n0, int64_t nr, int64_t N, void* y,
-                         int y_is_f32) {
-    const uint16_t* rows[NR_MAX];
-    for (int r = 0; r < nr; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last row
-    float out[NR_MAX * MB_MAX];
-    for (int64_t m0 = 0; m0 < M;) {
-        const float* xm = xp + m0 * K16;
-        int mb;
-        if (nr == 8) {
-            mb = 1;
-            pass(8, 1, xm, K16, rows, out);
-        } else {
-            mb = M - m0 < MB_MAX ? (int)(M - m0) : MB_MAX;
-            switch (mb) {  // constant row counts: the accumulators stay in registers
-                case 1: pass(4, 1, xm, K16, rows, out); break;
-                case 2: pass(4, 2, xm, K16, rows, out); break;
-                default: pass(4, 3, xm, K16, rows, out); break;
-            }
+    for (int b = 0; b < NB; b++)
+        for (int i = 0; i < RB; i++) {
+            _mm256_storeu_ps(out + i * stride + b * GROUP, acc[b][0][i]);
+            _mm256_storeu_ps(out + i * stride + b * GROUP + 8, acc[b][1][i]);
         }
-        for (int r = 0; r < nr && n0 + r < N; r++)
-            for (int i = 0; i < mb; i++) {
-                const int64_t m = m0 + i;
-                float s = out[i * nr + r];
-                for (int64_t k = K16; k < K; k++) s += x_at(x, x_is_f32, m * K + k) * bf16_to_f32(rows[r][k]);
-                if (bias) s += bf16_to_f32(bias[n0 + r]);
-                const int64_t idx = m * N + n0 + r;
-                if (y_is_f32)
-                    ((float*)y)[idx] = s;
-                else
-                    ((uint16_t*)y)[idx] = f32_to_bf16(s);
-            }
-        m0 += mb;
-    }
 }
 
-// y = x w^T + bias (bf16 [N], or NULL); w bf16 [N, K] row-major; y [M, N] fp32 or bf16.
-TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const uint16_t* w,
-                      const uint16_t* bias, int64_t N, void* y, int y_is_f32, int threads) {
-    const int64_t K16 = K / 16 * 16;
-    float* xp = permuted_rows(x, x_is_f32, M, K, K16);
-    const int64_t nr = M == 1 ? 8 : 4;
-    const int64_t blocks = (N + nr - 1) / nr;
+// Rows [m0, m0 + rb) through the unit's nb groups into out [rb][nb * 16]; returns rb. Constant NB and RB keep
+// the accumulators in registers; a unit of 2 groups takes up to 3 rows together, more rows one group at a time.
+TARGET static int rows_pass(int nb, const float* xt, int64_t M, int64_t m0, int64_t K,
+                            const uint16_t* const* groups, float* out) {
+    const int s = nb * GROUP;
+    if (nb == NB_MAX) {  // one row
+        pass(NB_MAX, 1, xt, M, K, groups, out, s);
+        return 1;
+    }
+    const int rb = M - m0 < RB_MAX ? (int)(M - m0) : RB_MAX;
+    const float* xm = xt + m0;
+    switch (rb) {
+        case 1: pass(2, 1, xm, M, K, groups, out, s); break;
+        case 2: pass(2, 2, xm, M, K, groups, out, s); break;
+        case 3: pass(2, 3, xm, M, K, groups, out, s); break;
+        case 4: pass(1, 4, xm, M, K, groups, out, s); pass(1, 4, xm, M, K, groups + 1, out + GROUP, s); break;
+        case 5: pass(1, 5, xm, M, K, groups, out, s); pass(1, 5, xm, M, K, groups + 1, out + GROUP, s); break;
+        default:
+            pass(1, RB_MAX, xm, M, K, groups, out, s);
+            pass(1, RB_MAX, xm, M, K, groups + 1, out + GROUP, s);
+            break;
+    }
+    return rb;
+}
+
+// wp bf16 [N/16 rounded up][K][16] (bf16_pack_avx2); x [M, K] fp32 or bf16; y [M, N] fp32 or bf16; bias bf16 [N]
+// or NULL, added in fp32 before the result is rounded.
+TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const uint16_t* wp, const uint16_t* bias,
+                      int64_t N, void* y, int y_is_f32, int threads) {
+    float* xt = (float*)malloc((size_t)(M * K) * sizeof(float));  // [K, M]: a pass's broadcasts share lines
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t idx = m * K + k;
+            xt[k * M + m] = x_is_f32 ? bf16_to_f32(f32_to_bf16(((const float*)x)[idx]))
+                                     : bf16_to_f32(((const uint16_t*)x)[idx]);
+        }
+    const int64_t n_groups = (N + GROUP - 1) / GROUP;
+    const int nb = M == 1 ? NB_MAX : 2;
+    const int64_t units = (n_groups + nb - 1) / nb;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) block(xp, x, x_is_f32, M, K, K16, w, bias, b * nr, nr, N, y, y_is_f32);
-    free(xp);
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t g0 = u * nb;
+        const int used = (int)(n_groups - g0 < nb ? n_groups - g0 : nb);
+        const uint16_t* groups[NB_MAX];
+        for (int b = 0; b < nb; b++) groups[b] = wp + (g0 + (b < used ? b : used - 1)) * K * GROUP;  // a tail repeats
+        float out[RB_MAX * NB_MAX * GROUP];
+        for (int64_t m0 = 0; m0 < M;) {
+            const int rb = rows_pass(nb, xt, M, m0, K, groups, out);
+            for (int i = 0; i < rb; i++)
+                for (int b = 0; b < used; b++)
+                    for (int c = 0; c < GROUP && (g0 + b) * GROUP + c < N; c++) {
+                        const int64_t n = (g0 + b) * GROUP + c;
+                        float s = out[(i * nb + b) * GROUP + c];
+                        if (bias) s += bf16_to_f32(bias[n]);
+                        const int64_t idx = (m0 + i) * N + n;
+                        if (y_is_f32)
+                            ((float*)y)[idx] = s;
+                        else
+                            ((uint16_t*)y)[idx] = f32_to_bf16(s);
+                    }
+            m0 += rb;
+        }
+    }
+    free(xt);
 }
