@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdecode.model import native_kernels
-from specdecode.model.fast_linear import BF16Linear, onednn_bf16_supported
+from specdecode.model.fast_linear import BF16Linear, Int8WeightLinear, onednn_bf16_supported
 
 pytestmark = pytest.mark.skipif(not native_kernels.avx2_available(), reason="no AVX2 CPU or no C compiler")
 
@@ -62,3 +62,29 @@ def test_bf16_linear_takes_the_avx2_kernel_where_onednn_cannot() -> None:
     long = torch.randn(80, 48, dtype=torch.bfloat16)  # prefill rows: an fp32 matmul of the same values
     ref = torch.nn.functional.linear(long.float(), lin.weight.float(), lin.bias.float())
     torch.testing.assert_close(module(long).float(), ref.bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1536, 96), (4, 64, 40), (9, 45, 33), (2, 16, 7)])
+def test_int8_kernel_matches_the_dequantized_reference_and_rows_are_independent(m: int, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(m * k + n)
+    x = torch.randn(m, k, generator=g)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, generator=g) / 100 + 1e-3).bfloat16()
+    packed = native_kernels.pack_int8_avx2(q)
+    assert packed.shape == (-(-n // 16), k, 16) and torch.equal(native_kernels.unpack_int8_avx2(packed, n), q)
+    y = native_kernels.int8_gemm_avx2(x, packed, scale)
+    ref = (x.bfloat16().double() @ q.double().T) * scale.double()
+    bound = 4 * k * torch.finfo(torch.float32).eps * (x.bfloat16().double().abs() @ q.double().abs().T) * scale.double()
+    assert ((y.double() - ref).abs() <= bound + 1e-6).all()
+    for i in range(m):
+        assert torch.equal(native_kernels.int8_gemm_avx2(x[i : i + 1], packed, scale), y[i : i + 1])
+
+
+@pytest.mark.skipif(native_kernels.available(), reason="this CPU runs weight-only int8 on the AVX512 kernel")
+def test_int8_weight_linear_takes_the_avx2_kernel_unless_torch_is_asked_for() -> None:
+    lin = torch.nn.Linear(48, 20)
+    ours, torchs = Int8WeightLinear(lin), Int8WeightLinear(lin, native=False)
+    assert ours.avx2 and not torchs.avx2
+    assert torch.equal(ours.dequantized(), torchs.dequantized())
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(ours(x), torchs(x), rtol=1e-2, atol=1e-2)  # torch rounds its output to bf16

@@ -3,6 +3,7 @@ chat, adaptive k with a useless drafter, and the metrics a request reports."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -18,6 +19,7 @@ from specdecode.engine import llm as llm_module
 from specdecode.engine import validation
 from specdecode.engine.adaptive import CostModel
 from specdecode.engine.validation import IncompatibleDraftError, InsufficientMemoryError
+from specdecode.model.load import read_config
 from specdecode.proposers.base import Draft, SequenceView
 
 SMOL = "smollm2-135m-instruct"
@@ -211,6 +213,24 @@ def test_memory_check_refuses_before_loading(
     assert "target" in str(info.value) and "draft" in str(info.value)
     with pytest.raises(MemoryError):
         fp32(tiny_llama_dir)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_memory_estimate_counts_a_re_laid_out_copy_of_a_tied_output_matrix(
+    tiny_llama_dir: Path, tied: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On AVX2 CPUs the bf16 kernel keeps its own copy of every linear's weights, a tied output matrix included."""
+    cfg = dataclasses.replace(read_config(tiny_llama_dir), tie_word_embeddings=tied)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    sizes = {}
+    for packs in (True, False):
+        monkeypatch.setattr(validation, "bf16_uses_avx2_kernel", lambda packs=packs: packs)
+        sizes[packs] = (validation.estimate_bytes(cfg, bf16, 64, device=cpu),
+                        validation.estimate_bytes(cfg, torch.float32, 64, device=cpu),
+                        validation.estimate_bytes(cfg, bf16, 64, device=torch.device("cuda")))
+    extra = cfg.vocab_size * cfg.hidden_size * 2 if tied else 0
+    assert sizes[True][0] - sizes[False][0] == extra
+    assert sizes[True][1:] == sizes[False][1:]
 
 
 # ---- sampling -----------------------------------------------------------------------------------

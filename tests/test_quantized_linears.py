@@ -32,6 +32,7 @@ from specdecode.model.fast_linear import (
     Int8DynamicLinear,
     Int8WeightLinear,
     convert_linears,
+    draft_linear_format,
     fp32_linear_by_chunks,
     target_linear_format,
 )
@@ -272,3 +273,16 @@ def test_fp32_linear_by_chunks_equals_one_fp32_matmul(m: int, n: int, chunk: int
     ref = torch.nn.functional.linear(x.bfloat16().float(), w.float(), None if bias is None else bias.float())
     assert y.shape == (m, n) and y.is_contiguous()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("avx512", "avx2", "expected"), [(True, True, "int4-hybrid"), (False, True, "int8"),
+                                                          (False, False, "int4-hybrid")])
+def test_auto_draft_format_is_the_fastest_single_token_path_of_the_cpu(
+    avx512: bool, avx2: bool, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native_kernels, "available", lambda: avx512)
+    monkeypatch.setattr(native_kernels, "avx2_int8_available", lambda: avx2)
+    cpu = torch.device("cpu")
+    assert draft_linear_format("auto", torch.bfloat16, cpu) == expected
+    assert draft_linear_format("auto", torch.float32, cpu) == "none"  # fp32 drafts stay as they are
+    assert draft_linear_format("int8-dynamic", torch.bfloat16, cpu) == "int8-dynamic"  # an explicit choice wins

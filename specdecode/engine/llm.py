@@ -83,11 +83,11 @@ class LLM:
         draft_path = draft_cfg = None
         spec = self.spec
         draft_dtype = self.dtype if spec is None or spec.draft_dtype == "auto" else parse_dtype(spec.draft_dtype)
-        parts = [("target", estimate_bytes(target_cfg, self.dtype, self.max_model_len))]
+        parts = [("target", estimate_bytes(target_cfg, self.dtype, self.max_model_len, device=self.device))]
         if spec is not None and spec.method == "draft":
             draft_path = resolve_model(str(spec.model))
             draft_cfg = read_config(draft_path)
-            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len)))
+            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len, device=self.device)))
         check_memory(parts, self.device)  # before any weight is loaded
 
         self.target: LoadedModel = load_resolved(target_path, model, self.dtype, self.device)

@@ -50,6 +50,13 @@ def onednn_bf16_supported() -> bool:
     return True
 
 
+@functools.cache
+def bf16_uses_avx2_kernel() -> bool:
+    """The bf16 format runs on our AVX2 kernel here (no AVX512 kernels, no oneDNN bf16 matmul): its weights are
+    re-laid out into a copy, a tied output matrix included (`packed_output_copy_bytes`)."""
+    return not native_kernels.available() and not onednn_bf16_supported() and native_kernels.avx2_available()
+
+
 NATIVE_BF16_MAX_ROWS = 65
 """Rows up to which bf16 linears take our kernel: one token, or the verification of a chain or of a tree of
 up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) go to oneDNN."""
@@ -101,7 +108,7 @@ class BF16Linear(nn.Module):
             w = w.clone()
         self.out_features, self.in_features = w.shape
         self.native = _native(native)
-        self.avx2 = not self.native and not onednn_bf16_supported() and native_kernels.avx2_available()
+        self.avx2 = not self.native and bf16_uses_avx2_kernel()
         """A CPU without AVX512 (oneDNN's bf16 matmul refuses to run): our AVX2 kernel for a few rows,
         fp32 matmuls for prefill."""
         if self.native:
@@ -131,25 +138,35 @@ class BF16Linear(nn.Module):
 class Int8WeightLinear(nn.Module):
     """int8 weights, one bf16 scale per output channel; activations stay floating point (rounded to bf16).
 
-    Both kernels take the same weights; ours (`native`) computes every row the same way whatever the
-    number of rows, so verifying k tokens gives the rows of k single-token forwards bit for bit."""
+    All kernels take the same weights; ours (`native`, AVX512; `avx2`, AVX2 CPUs, weights re-laid out in
+    groups of 16 channels) compute every row the same way whatever the number of rows, so verifying k tokens
+    gives the rows of k single-token forwards bit for bit. torch's (`native=False`) reads one token's weights
+    at about half the speed of the AVX2 kernel on a Zen 3."""
 
     def __init__(self, linear: nn.Linear, native: bool | None = None) -> None:
         super().__init__()
         w = linear.weight.detach().float()  # [N, K]
         scales = (w.abs().amax(dim=1).clamp(min=1e-8) / 127.0).to(torch.bfloat16)  # [N]
-        self.weight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.scales = scales
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()  # own copy
         self.native = _native(native)
+        self.avx2 = native is None and not self.native and native_kernels.avx2_int8_available()
+        if self.avx2:
+            self.packed_avx2 = native_kernels.pack_int8_avx2(q)  # [N/16, K, 16]
+        else:
+            self.weight = q  # [N, K]
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight.float() * self.scales.float()[:, None]
+        q = native_kernels.unpack_int8_avx2(self.packed_avx2, self.scales.shape[0]) if self.avx2 else self.weight
+        return q.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.native:
             y = native_kernels.int8_gemm(x, self.weight, self.scales)  # [M, N], fp32 or bf16 like x
+        elif self.avx2:
+            y = native_kernels.int8_gemm_avx2(x, self.packed_avx2, self.scales)  # [M, N], x's dtype
         else:
             y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.scales)
         if self.bias is not None:
@@ -402,11 +419,15 @@ def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.de
 
 
 def draft_linear_format(quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormat:
-    """A draft never changes the output, so "auto" takes the fastest single-token path: int4 on CPU
-    (0.5B draft, one token: 52 ms packed bf16, 23.2 ms torch's int4 kernel, 16.6 ms ours), with bf16 for
-    its prefill."""
+    """A draft never changes the output, so "auto" takes the fastest single-token path on this CPU:
+    - AVX512-BF16 (our kernels): int4, with bf16 for its prefill (0.5B draft, one token: 52 ms packed bf16,
+      23.2 ms torch's int4 kernel, 16.6 ms ours);
+    - AVX2 only: weight-only int8 on our AVX2 kernel (one token of the 0.5B draft: 47-50 ms, against 59-70
+      bf16, 66-80 int4-hybrid on torch's int4 kernel and 88 torch's int8; `benchmarks/decode_step.py`)."""
     if quantization == "auto":
         if device.type != "cpu" or dtype != torch.bfloat16:
             return "none"
+        if not native_kernels.available() and native_kernels.avx2_int8_available():
+            return "int8"
         return "int4-hybrid"
     return target_linear_format(quantization, dtype, device)

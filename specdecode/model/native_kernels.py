@@ -89,6 +89,9 @@ def load_avx2_library(source: Path = SOURCE_AVX2, name: str = "cpu-kernels-avx2"
     if lib is not None:
         lib.bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
         lib.bf16_gemm.restype = None
+    if lib is not None and hasattr(lib, "int8_gemm"):
+        lib.int8_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
+        lib.int8_gemm.restype = None
     return lib
 
 
@@ -100,6 +103,12 @@ def _avx2_library() -> ctypes.CDLL | None:
 def avx2_available() -> bool:
     """The AVX2 bf16 GEMM builds and runs here (any x86 CPU since Haswell / Zen)."""
     return _avx2_library() is not None
+
+
+def avx2_int8_available() -> bool:
+    """The AVX2 library has the weight-only int8 GEMM too."""
+    lib = _avx2_library()
+    return lib is not None and hasattr(lib, "int8_gemm")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -232,19 +241,37 @@ _AVX2_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15
 """Channel stored at each place of a group (its own inverse): the kernel's unpacks work per 128-bit half."""
 
 
-def pack_bf16_avx2(w: torch.Tensor) -> torch.Tensor:
-    """bf16 w [N, K] -> the AVX2 kernel's layout [ceil(N/16), K, 16] (k-major groups of 16 channels, zero-padded)."""
+def _pack_groups(w: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """w [N, K] -> [ceil(N/16), K, 16]: k-major groups of 16 channels (zero-padded), each in `order` if given."""
     n, k = w.shape
     groups = -(-n // AVX2_GROUP)
-    padded = torch.zeros(groups * AVX2_GROUP, k, dtype=torch.bfloat16)
+    padded = torch.zeros(groups * AVX2_GROUP, k, dtype=w.dtype)
     padded[:n] = w
-    return padded.view(groups, AVX2_GROUP, k)[:, _AVX2_ORDER].transpose(1, 2).contiguous()
+    grouped = padded.view(groups, AVX2_GROUP, k)
+    return (grouped if order is None else grouped[:, order]).transpose(1, 2).contiguous()
+
+
+def pack_bf16_avx2(w: torch.Tensor) -> torch.Tensor:
+    """bf16 w [N, K] -> the AVX2 kernel's layout [ceil(N/16), K, 16] (k-major groups of 16 channels, zero-padded)."""
+    return _pack_groups(w.to(torch.bfloat16), _AVX2_ORDER)
 
 
 def unpack_bf16_avx2(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The [N, K] weights of `pack_bf16_avx2`'s layout."""
     groups, k, _ = packed.shape
     return packed.transpose(1, 2)[:, _AVX2_ORDER].reshape(groups * AVX2_GROUP, k)[:n]
+
+
+def pack_int8_avx2(q: torch.Tensor) -> torch.Tensor:
+    """int8 q [N, K] -> the AVX2 int8 kernel's layout [ceil(N/16), K, 16], channels in natural order."""
+    assert q.dtype == torch.int8
+    return _pack_groups(q, None)
+
+
+def unpack_int8_avx2(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The [N, K] weights of `pack_int8_avx2`'s layout."""
+    groups, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(groups * AVX2_GROUP, k)[:n]
 
 
 def avx2_natural_order(rows: torch.Tensor) -> torch.Tensor:
@@ -258,6 +285,14 @@ def bf16_gemm_avx2(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Te
     assert packed.dtype == torch.bfloat16 and packed.is_contiguous() and packed.shape[2] == AVX2_GROUP
     assert bias is None or bias.dtype == torch.bfloat16
     return _gemm("bf16", x, packed, bias, n=n, lib=_avx2_library())
+
+
+def int8_gemm_avx2(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`int8_gemm` for AVX2 CPUs on weights packed by `pack_int8_avx2` (N = scale's length): (x q^T) * scale
+    [M, N] in x's dtype; a row's result does not depend on the other rows."""
+    assert packed.dtype == torch.int8 and packed.is_contiguous() and packed.shape[2] == AVX2_GROUP
+    assert scale.dtype == torch.bfloat16
+    return _gemm("int8", x, packed, scale, n=scale.shape[0], lib=_avx2_library())
 
 
 def _check_tiles(tiles: torch.Tensor, n: int, row_bytes: int) -> None:

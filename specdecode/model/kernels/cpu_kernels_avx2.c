@@ -13,6 +13,11 @@
 // the [N, K] layout, which mattered because verification rows are bound by arithmetic here). Inside a group
 // the channels are stored in the order 0-3, 8-11, 4-7, 12-15: unpacking 16 bf16 against zero works per
 // 128-bit half, so the low unpack then gives channels 0-7 and the high one 8-15. Threads split the groups.
+//
+// Weight-only int8 (`int8_gemm`) uses the same layout and loops with int8 weights ([N/16][K][16], channels in
+// natural order: each half of 16 bytes sign-extends to 8 int32, then converts to fp32 exactly) and one scale per
+// output channel applied to the finished sum: half the bytes of bf16 for a draft's or an opted-in target's
+// single-token reads.
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -44,11 +49,26 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even (no NaN 
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+enum { W_BF16 = 0, W_INT8 = 1 };
+
+// The 16 weights of a group at k as fp32 (channels 0-7, 8-15).
+TARGET static inline __attribute__((always_inline)) void weights_at(const int W, const void* group, int64_t k,
+                                                                      __m256* lo, __m256* hi) {
+    if (W == W_BF16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)((const uint16_t*)group + k * GROUP));
+        *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));  // channels 0-7
+        *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));  // channels 8-15
+    } else {
+        const int8_t* q = (const int8_t*)group + k * GROUP;
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8))));
+    }
+}
+
 // One pass over K for NB channel groups and RB rows: out[i * stride + b * 16 + c], channels in natural order.
-TARGET static inline __attribute__((always_inline)) void pass(const int NB, const int RB, const float* xt, int64_t M,
-                                                                int64_t K, const uint16_t* const* groups,
+TARGET static inline __attribute__((always_inline)) void pass(const int W, const int NB, const int RB, const float* xt,
+                                                                int64_t M, int64_t K, const void* const* groups,
                                                                 float* out, int stride) {
-    const __m256i zero = _mm256_setzero_si256();
     __m256 acc[NB_MAX][2][RB_MAX];
     for (int b = 0; b < NB; b++)
         for (int i = 0; i < RB; i++) acc[b][0][i] = acc[b][1][i] = _mm256_setzero_ps();
@@ -56,9 +76,8 @@ TARGET static inline __attribute__((always_inline)) void pass(const int NB, cons
         const float* xk = xt + k * M;
 #pragma GCC unroll 4
         for (int b = 0; b < NB; b++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(groups[b] + k * GROUP));
-            const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));  // channels 0-7
-            const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));  // channels 8-15
+            __m256 lo, hi;
+            weights_at(W, groups[b], k, &lo, &hi);
 #pragma GCC unroll 6
             for (int i = 0; i < RB; i++) {
                 const __m256 xv = _mm256_broadcast_ss(xk + i);
@@ -76,33 +95,37 @@ TARGET static inline __attribute__((always_inline)) void pass(const int NB, cons
 
 // Rows [m0, m0 + rb) through the unit's nb groups into out [rb][nb * 16]; returns rb. Constant NB and RB keep
 // the accumulators in registers; a unit of 2 groups takes up to 3 rows together, more rows one group at a time.
-TARGET static int rows_pass(int nb, const float* xt, int64_t M, int64_t m0, int64_t K,
-                            const uint16_t* const* groups, float* out) {
+TARGET static inline __attribute__((always_inline)) int rows_pass(const int W, int nb, const float* xt, int64_t M,
+                                                                    int64_t m0, int64_t K, const void* const* groups,
+                                                                    float* out) {
     const int s = nb * GROUP;
     if (nb == NB_MAX) {  // one row
-        pass(NB_MAX, 1, xt, M, K, groups, out, s);
+        pass(W, NB_MAX, 1, xt, M, K, groups, out, s);
         return 1;
     }
     const int rb = M - m0 < RB_MAX ? (int)(M - m0) : RB_MAX;
     const float* xm = xt + m0;
     switch (rb) {
-        case 1: pass(2, 1, xm, M, K, groups, out, s); break;
-        case 2: pass(2, 2, xm, M, K, groups, out, s); break;
-        case 3: pass(2, 3, xm, M, K, groups, out, s); break;
-        case 4: pass(1, 4, xm, M, K, groups, out, s); pass(1, 4, xm, M, K, groups + 1, out + GROUP, s); break;
-        case 5: pass(1, 5, xm, M, K, groups, out, s); pass(1, 5, xm, M, K, groups + 1, out + GROUP, s); break;
+        case 1: pass(W, 2, 1, xm, M, K, groups, out, s); break;
+        case 2: pass(W, 2, 2, xm, M, K, groups, out, s); break;
+        case 3: pass(W, 2, 3, xm, M, K, groups, out, s); break;
+        case 4: pass(W, 1, 4, xm, M, K, groups, out, s); pass(W, 1, 4, xm, M, K, groups + 1, out + GROUP, s); break;
+        case 5: pass(W, 1, 5, xm, M, K, groups, out, s); pass(W, 1, 5, xm, M, K, groups + 1, out + GROUP, s); break;
         default:
-            pass(1, RB_MAX, xm, M, K, groups, out, s);
-            pass(1, RB_MAX, xm, M, K, groups + 1, out + GROUP, s);
+            pass(W, 1, RB_MAX, xm, M, K, groups, out, s);
+            pass(W, 1, RB_MAX, xm, M, K, groups + 1, out + GROUP, s);
             break;
     }
     return rb;
 }
 
-// wp bf16 [N/16 rounded up][K][16] (bf16_pack_avx2); x [M, K] fp32 or bf16; y [M, N] fp32 or bf16; bias bf16 [N]
-// or NULL, added in fp32 before the result is rounded.
-TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const uint16_t* wp, const uint16_t* bias,
-                      int64_t N, void* y, int y_is_f32, int threads) {
+// y [M, N] = (x [M, K] rounded to bf16) times the packed weights (W: bf16 or int8, each group K * 16 elements of
+// `width` bytes), times scale[n] (bf16, int8 only), plus bias[n] (bf16 or NULL), rounded once at the end.
+TARGET static inline __attribute__((always_inline)) void gemm(const int W, const void* x, int x_is_f32, int64_t M,
+                                                                int64_t K, const void* wp, const uint16_t* scale,
+                                                                const uint16_t* bias, int64_t N, void* y,
+                                                                int y_is_f32, int threads) {
+    const int64_t width = W == W_BF16 ? 2 : 1;
     float* xt = (float*)malloc((size_t)(M * K) * sizeof(float));  // [K, M]: a pass's broadcasts share lines
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < K; k++) {
@@ -117,25 +140,41 @@ TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const u
     for (int64_t u = 0; u < units; u++) {
         const int64_t g0 = u * nb;
         const int used = (int)(n_groups - g0 < nb ? n_groups - g0 : nb);
-        const uint16_t* groups[NB_MAX];
-        for (int b = 0; b < nb; b++) groups[b] = wp + (g0 + (b < used ? b : used - 1)) * K * GROUP;  // a tail repeats
+        const void* groups[NB_MAX];
+        for (int b = 0; b < nb; b++)  // a tail repeats the last group
+            groups[b] = (const char*)wp + (g0 + (b < used ? b : used - 1)) * K * GROUP * width;
         float out[RB_MAX * NB_MAX * GROUP];
         for (int64_t m0 = 0; m0 < M;) {
-            const int rb = rows_pass(nb, xt, M, m0, K, groups, out);
+            const int rb = rows_pass(W, nb, xt, M, m0, K, groups, out);
             for (int i = 0; i < rb; i++)
                 for (int b = 0; b < used; b++)
                     for (int c = 0; c < GROUP && (g0 + b) * GROUP + c < N; c++) {
                         const int64_t n = (g0 + b) * GROUP + c;
-                        float s = out[(i * nb + b) * GROUP + c];
-                        if (bias) s += bf16_to_f32(bias[n]);
+                        float v = out[(i * nb + b) * GROUP + c];
+                        if (scale) v *= bf16_to_f32(scale[n]);
+                        if (bias) v += bf16_to_f32(bias[n]);
                         const int64_t idx = (m0 + i) * N + n;
                         if (y_is_f32)
-                            ((float*)y)[idx] = s;
+                            ((float*)y)[idx] = v;
                         else
-                            ((uint16_t*)y)[idx] = f32_to_bf16(s);
+                            ((uint16_t*)y)[idx] = f32_to_bf16(v);
                     }
             m0 += rb;
         }
     }
     free(xt);
+}
+
+// wp bf16 [N/16 rounded up][K][16] (bf16_pack_avx2); x [M, K] fp32 or bf16; y [M, N] fp32 or bf16; bias bf16 [N]
+// or NULL, added in fp32 before the result is rounded.
+TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const uint16_t* wp, const uint16_t* bias,
+                      int64_t N, void* y, int y_is_f32, int threads) {
+    gemm(W_BF16, x, x_is_f32, M, K, wp, NULL, bias, N, y, y_is_f32, threads);
+}
+
+// qp int8 [N/16 rounded up][K][16] (int8_pack_avx2), scale bf16 [N]: y = (x q^T) * scale, as torch's
+// _weight_int8pack_mm computes it.
+TARGET void int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const int8_t* qp, const uint16_t* scale,
+                      int64_t N, void* y, int y_is_f32, int threads) {
+    gemm(W_INT8, x, x_is_f32, M, K, qp, scale, NULL, N, y, y_is_f32, threads);
 }
