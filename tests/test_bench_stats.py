@@ -116,7 +116,12 @@ def test_parse_method():
     assert parse_method("eagle-nolookup-promptvocab-k3", None, {"eagle": "e"}).speculative_config == {
         "method": "eagle", "num_speculative_tokens": 3, "model": "e", "draft_prompt_lookup": False,
         "head_prompt_tokens": True}
-    for bad in ("plain-k2", "medusa", "draft-k", "ngram-nolookup", "plain-nolookup", "draft-promptvocab"):
+    assert parse_method("draft-k4~int4-hybrid", "d").speculative_config == {
+        "method": "draft", "num_speculative_tokens": 4, "model": "d", "quantization": "int4-hybrid"}
+    spec = parse_method("draft~int8@int8-dynamic", "d")
+    assert spec.quantization == "int8-dynamic" and spec.speculative_config["quantization"] == "int8"
+    for bad in ("plain-k2", "medusa", "draft-k", "ngram-nolookup", "plain-nolookup", "draft-promptvocab",
+                "plain~int8", "draft~int2"):
         with pytest.raises(ValueError):
             parse_method(bad, "d")
     with pytest.raises(ValueError, match="--draft"):

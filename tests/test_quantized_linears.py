@@ -286,3 +286,4 @@ def test_auto_draft_format_is_the_fastest_single_token_path_of_the_cpu(
     assert draft_linear_format("auto", torch.bfloat16, cpu) == expected
     assert draft_linear_format("auto", torch.float32, cpu) == "none"  # fp32 drafts stay as they are
     assert draft_linear_format("int8-dynamic", torch.bfloat16, cpu) == "int8-dynamic"  # an explicit choice wins
+    assert draft_linear_format("int4-hybrid", torch.bfloat16, cpu) == "int4-hybrid"

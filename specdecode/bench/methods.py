@@ -14,8 +14,11 @@ METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive
                "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; -promptvocab (eagle, medusa) "
                "also drafts the prompt's tokens the head's vocabulary lacks (head_prompt_tokens); "
                ":LABEL uses the head given as --head LABEL=DIR (eagle:v4; compares heads in one run); "
-               "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4; default exact)")
+               "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4; default exact); "
+               "~FORMAT sets the draft's or head's weight format (e.g. draft~int4-hybrid; default auto)")
 TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
+DRAFT_FORMATS = ("auto", "none", "int8", "int8-dynamic", "int4", "int4-hybrid")
+"""Draft / head formats a method may name after "~" (specdecode.config.DRAFT_QUANTIZATIONS)."""
 """Target formats a method may name after "@" (model/fast_linear.py's QUANTIZATIONS)."""
 
 
@@ -38,6 +41,15 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
             raise ValueError(f"unknown target format {quant!r} in {name!r}; use one of {choices}")
         spec = parse_method(base, draft, heads)
         return MethodSpec(name, spec.speculative_config, quant)
+    base, _, draft_format = name.partition("~")
+    if draft_format:
+        if draft_format not in DRAFT_FORMATS:
+            choices = ", ".join(DRAFT_FORMATS)
+            raise ValueError(f"unknown draft format {draft_format!r} in {name!r}; use one of {choices}")
+        spec = parse_method(base, draft, heads)
+        if spec.speculative_config is None:
+            raise ValueError(f"method {name!r}: plain decoding has no draft to format")
+        return MethodSpec(name, {**spec.speculative_config, "quantization": draft_format})
     name, _, label = name.partition(":")
     m = _METHOD_RE.match(name)
     if (m is None or (m.group(1) in ("plain", "ngram") and m.group(2)) or (m.group(1) == "plain" and m.group(5))
