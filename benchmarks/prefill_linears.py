@@ -31,6 +31,19 @@ from specdecode.model.fast_linear import (
 K, N = 1536, 8960
 
 
+def unpacked_chunks(x: torch.Tensor, weight: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """The AVX2 prefill before session 13 packed the weights: chunks of the [N, K] bf16 weights to fp32, then mm."""
+    xf = x.to(torch.bfloat16).float().t()  # [K, M]
+    n, k = weight.shape
+    yt = torch.empty(n, x.shape[0])
+    buf = torch.empty(min(chunk, n), k)
+    for c0 in range(0, n, chunk):
+        w = buf[: min(n, c0 + chunk) - c0]
+        w.copy_(weight[c0 : c0 + w.shape[0]])
+        torch.mm(w, xf, out=yt[c0 : c0 + w.shape[0]])
+    return yt.t().contiguous()
+
+
 def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     w = lin.weight.detach().bfloat16()
@@ -43,6 +56,8 @@ def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.T
             lambda x: native_kernels.bf16_gemm_avx2(x.reshape(-1, K), wp, N))
         out["bf16, fp32 matmuls on 256-channel chunks (AVX2 prefill)"] = (
             lambda x: fp32_linear_by_chunks(x.reshape(-1, K), wp, N, None))
+        out["bf16, the same on chunks of [N, K] weights (before the packed layout)"] = (
+            lambda x: unpacked_chunks(x.reshape(-1, K), w))
         out["bf16, fp32 matmul on a whole fp32 copy per call"] = lambda x: F.linear(x.float(), w.float())
     out["int8-dynamic (FBGEMM)"] = Int8DynamicLinear(lin, native=False)
     out["int8 weight-only, torch"] = i8

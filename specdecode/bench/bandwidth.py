@@ -65,8 +65,8 @@ def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The weight tensors a module reads in its forward.
 
     Parameters, persistent buffers, and public tensor attributes (our packed Linear formats keep
-    ``packed`` / ``weight`` + ``scales`` / ``packed`` + ``scales_zeros`` as plain attributes; int8-dynamic's
-    FBGEMM object is no tensor and declares its size as ``packed_nbytes``, counted by the caller).
+    ``packed`` / ``weight`` + ``scales`` / ``packed`` + ``scales_zeros`` / ``packed_avx2`` as plain attributes;
+    int8-dynamic's FBGEMM object is no tensor and declares its size as ``packed_nbytes``, counted by the caller).
     Underscore attributes (caches, rope tables, test copies) are not weights.
     """
     out: list[tuple[str, torch.Tensor]] = list(module.named_parameters(recurse=False))

@@ -53,7 +53,7 @@ def onednn_bf16_supported() -> bool:
 @functools.cache
 def bf16_uses_avx2_kernel() -> bool:
     """The bf16 format runs on our AVX2 kernel here (no AVX512 kernels, no oneDNN bf16 matmul): its weights are
-    re-laid out into a copy, a tied output matrix included (`packed_output_copy_bytes`)."""
+    re-laid out into a copy, a tied output matrix included (counted by `engine.validation.estimate_bytes`)."""
     return not native_kernels.available() and not onednn_bf16_supported() and native_kernels.avx2_available()
 
 
@@ -77,14 +77,13 @@ def fp32_linear_by_chunks(x: torch.Tensor, packed: torch.Tensor, n: int, bias: t
     xf = x.to(torch.bfloat16).float().t()  # [K, M]
     groups, k, width = packed.shape
     per = max(1, chunk // width)  # groups per chunk
-    yt = torch.empty(groups * width, x.shape[0])  # [N rounded up to groups, M], channels in storage order
-    buf = torch.empty(k, min(groups, per) * width)  # [K, chunk channels]: the packed k-major groups side by side
+    yt = torch.empty(groups * width, x.shape[0])  # [N rounded up to groups, M]
+    buf = torch.empty(k * min(groups, per) * width)
     for g0 in range(0, groups, per):
         g1 = min(groups, g0 + per)
-        w = buf[:, : (g1 - g0) * width]
-        w.view(k, g1 - g0, width).copy_(packed[g0:g1].transpose(0, 1))
-        torch.mm(w.t(), xf, out=yt[g0 * width : g1 * width])
-    yt = native_kernels.avx2_natural_order(yt)[:n]
+        w = native_kernels.unpack_bf16_avx2_to_f32(packed[g0:g1], buf[: k * (g1 - g0) * width].view(k, -1))
+        torch.mm(w.t(), xf, out=yt[g0 * width : g1 * width])  # [chunk channels, M]
+    yt = yt[:n]
     if bias is not None:
         yt += bias.float()[:, None]
     return yt.t().contiguous()

@@ -178,3 +178,17 @@ TARGET void int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const i
                       int64_t N, void* y, int y_is_f32, int threads) {
     gemm(W_INT8, x, x_is_f32, M, K, qp, scale, NULL, N, y, y_is_f32, threads);
 }
+
+// fp32 copy of `groups` packed bf16 groups (bf16_pack_avx2's layout, from wp) as out [K][groups * 16], channels
+// in natural order: the prefill's operand for an fp32 matmul, converted a chunk at a time into cache.
+TARGET void bf16_unpack_f32(const uint16_t* wp, int64_t groups, int64_t K, float* out, int threads) {
+    const int64_t row = groups * GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 lo, hi;
+            weights_at(W_BF16, wp + g * K * GROUP, k, &lo, &hi);
+            _mm256_storeu_ps(out + k * row + g * GROUP, lo);
+            _mm256_storeu_ps(out + k * row + g * GROUP + 8, hi);
+        }
+}
