@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from specdecode.config import DRAFT_QUANTIZATIONS
+
 _METHOD_RE = re.compile(
     r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree|-w\d+)?(-nolookup)?(-promptvocab)?(?:-k(\d+))?$")
 METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
@@ -17,8 +19,6 @@ METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive
                "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4; default exact); "
                "~FORMAT sets the draft's or head's weight format (e.g. draft~int4-hybrid; default auto)")
 TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
-DRAFT_FORMATS = ("auto", "none", "int8", "int8-dynamic", "int4", "int4-hybrid")
-"""Draft / head formats a method may name after "~" (specdecode.config.DRAFT_QUANTIZATIONS)."""
 """Target formats a method may name after "@" (model/fast_linear.py's QUANTIZATIONS)."""
 
 
@@ -43,8 +43,8 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         return MethodSpec(name, spec.speculative_config, quant)
     base, _, draft_format = name.partition("~")
     if draft_format:
-        if draft_format not in DRAFT_FORMATS:
-            choices = ", ".join(DRAFT_FORMATS)
+        if draft_format not in DRAFT_QUANTIZATIONS:
+            choices = ", ".join(DRAFT_QUANTIZATIONS)
             raise ValueError(f"unknown draft format {draft_format!r} in {name!r}; use one of {choices}")
         spec = parse_method(base, draft, heads)
         if spec.speculative_config is None:
