@@ -59,7 +59,8 @@ def bf16_uses_avx2_kernel() -> bool:
 
 NATIVE_BF16_MAX_ROWS = 65
 """Rows up to which bf16 linears take our kernel: one token, or the verification of a chain or of a tree of
-up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) go to oneDNN."""
+up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) go to torch: oneDNN,
+or fp32 matmuls on chunks (`fp32_linear_by_chunks`) on AVX2-only CPUs."""
 
 
 FP32_CHUNK_CHANNELS = 256
