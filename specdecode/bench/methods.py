@@ -30,22 +30,24 @@ class MethodSpec:
     """Target weight format for this method (the exact target by default)."""
 
 
+def _suffix(name: str, sep: str, choices: tuple[str, ...], what: str) -> tuple[str, str]:
+    """name split at `sep` into (method, suffix); a suffix outside `choices` is refused ("" when absent)."""
+    base, _, value = name.partition(sep)
+    if value and value not in choices:
+        raise ValueError(f"unknown {what} {value!r} in {name!r}; use one of {', '.join(choices)}")
+    return base, value
+
+
 def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = None) -> MethodSpec:
     """``plain``, ``ngram``, ``draft``, ``eagle``, ``medusa``, optionally ``-chain``/``-tree``, ``-kN`` and
     ``@FORMAT`` (target quantization)."""
     name = name.strip()
-    base, _, quant = name.partition("@")
+    base, quant = _suffix(name, "@", TARGET_QUANTIZATIONS, "target format")
     if quant:
-        if quant not in TARGET_QUANTIZATIONS:
-            choices = ", ".join(TARGET_QUANTIZATIONS)
-            raise ValueError(f"unknown target format {quant!r} in {name!r}; use one of {choices}")
         spec = parse_method(base, draft, heads)
         return MethodSpec(name, spec.speculative_config, quant)
-    base, _, draft_format = name.partition("~")
+    base, draft_format = _suffix(name, "~", DRAFT_QUANTIZATIONS, "draft format")
     if draft_format:
-        if draft_format not in DRAFT_QUANTIZATIONS:
-            choices = ", ".join(DRAFT_QUANTIZATIONS)
-            raise ValueError(f"unknown draft format {draft_format!r} in {name!r}; use one of {choices}")
         spec = parse_method(base, draft, heads)
         if spec.speculative_config is None:
             raise ValueError(f"method {name!r}: plain decoding has no draft to format")
