@@ -129,13 +129,16 @@ def test_int4_kernel_needs_whole_groups_of_128() -> None:
 def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDECODE_NATIVE_KERNELS", "0")
     native_kernels._library.cache_clear()
+    native_kernels._avx2_library.cache_clear()
     try:
         assert not native_kernels.available()
         assert not Int8WeightLinear(bf16_linear(16, 64, seed=1)).native
         with pytest.raises(ValueError, match="not available"):
             Int4WeightLinear(bf16_linear(16, 128, seed=1), native=True)
-    finally:
+    finally:  # the libraries are looked up again with the variable unset (no cached None for later tests)
+        monkeypatch.delenv("SPECDECODE_NATIVE_KERNELS")
         native_kernels._library.cache_clear()
+        native_kernels._avx2_library.cache_clear()
 
 
 def test_convert_linears_picks_the_kernels() -> None:
