@@ -267,7 +267,8 @@ def test_attention_rows_equal_single_queries() -> None:
 
 
 @needs_native
-def test_bf16_verification_rows_equal_single_token_forwards(tiny_qwen_dir, monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("k", [6, 24])  # 24: more rows than the batched-softmax limit of 16 (a large tree)
+def test_bf16_verification_rows_equal_single_token_forwards(tiny_qwen_dir, monkeypatch, k: int) -> None:  # noqa: ANN001
     """With the native linears, norms and attention, a bf16 target's verification forward of k tokens
     gives, bit for bit, the hidden states of k single-token forwards: greedy speculative decoding of a
     bf16 target then reproduces plain decoding exactly, not only up to rounding.
@@ -289,12 +290,12 @@ def test_bf16_verification_rows_equal_single_token_forwards(tiny_qwen_dir, monke
     model = load_model(tiny_qwen_dir, "bf16", "cpu").model
     convert_linears(model, "bf16")
     assert all(m.native for m in model.modules() if isinstance(m, BF16Linear))
-    ids = torch.tensor([[7, 30, 12, 99, 5, 41, 8, 77, 13, 60, 21, 3, 88, 17, 45, 9]])
-    ctx, k = 10, 6
+    ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(k))
+    ctx = 10
     with torch.inference_mode():
         hidden = []
         for step in (k, 1):  # one forward of k rows, then k forwards of one row
-            cache = model.new_cache(1, 32)
+            cache = model.new_cache(1, 48)
             model(ids[:, :ctx], torch.arange(ctx)[None], cache)
             cache.set_length(0, ctx)
             rows = []

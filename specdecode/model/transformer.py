@@ -108,9 +108,11 @@ def small_attention(
 
 
 EXACT_ATTENTION_TOKENS = 65
-"""Queries per forward up to which the module path attends row by row on CPU (`row_attention`): decode, and
-the verification of a chain or of a tree of up to 64 nodes plus its root. Longer forwards (prefill) take SDPA;
-on CUDA, `small_attention` up to 16 queries (its rows are not bit-exact against single decodes)."""
+"""Queries per forward up to which a CPU forward attends row by row, each query over only the slots it sees:
+decode, and the verification of a chain or of a tree of up to 64 nodes plus its root. With the native kernels
+(AVX512-BF16, bf16) these forwards run in the native stack / `native_kernels.attend`, whose single-token decode
+is then the same code; otherwise in `row_attention`. Longer forwards (prefill) take SDPA; on CUDA,
+`small_attention` up to 16 queries (its rows are not bit-exact against single decodes)."""
 
 
 def row_attention(
@@ -181,7 +183,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        fused = native_kernels.attend_applies(x, self.hd) and t <= SMALL_ATTENTION_TOKENS
+        fused = native_kernels.attend_applies(x, self.hd) and t <= EXACT_ATTENTION_TOKENS
         if fused and cache is not None and self.qkv_proj is not None and cache.k.dtype == torch.bfloat16:
             # Decode / verification: rope, cache write and attention in two native calls.
             k_layer, v_layer = cache.layer(self.layer_idx)
@@ -314,7 +316,7 @@ class Transformer(nn.Module):
             self._rope_for(cache.max_len), self.dtype, positions, cache.max_len, slots, attn_mask
         )
         x = self.model.embed_tokens(tokens)
-        stack = native_stack.stack_for(self, x, cache) if tokens.shape[1] <= SMALL_ATTENTION_TOKENS else None
+        stack = native_stack.stack_for(self, x, cache) if tokens.shape[1] <= EXACT_ATTENTION_TOKENS else None
         if stack is not None:  # decode / verification on CPU: every layer in one native call, same bits
             x = native_stack.run(self, stack, x.contiguous(), cos, sin, slots, kv_len, mask, cache)
         else:
