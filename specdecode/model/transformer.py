@@ -83,7 +83,8 @@ def attention_inputs(
 
 
 SMALL_ATTENTION_TOKENS = 16
-"""Queries per row up to which attention uses `small_attention` (decode and verify steps)."""
+"""Off the CPU (CUDA): queries per forward up to which attention uses `small_attention` (decode and verify
+steps). CPU forwards of up to `EXACT_ATTENTION_TOKENS` attend row by row instead."""
 
 
 def small_attention(
