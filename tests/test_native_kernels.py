@@ -47,6 +47,21 @@ def test_tile_rows_layout() -> None:
     tiles = native_kernels.tile_rows(wb)
     assert tiles.shape == (3, 7, 16, 64)
     assert torch.equal(native_kernels.untile_rows(tiles, 37, 200, torch.bfloat16), wb)
+    tiles = native_kernels.tile_rows(w, rows_per_tile=4)  # the int4 kernel's tiles
+    assert tiles.shape == (5, 2, 4, 64)
+    assert int(tiles[4, 1, 3, 5].view(torch.int8)) == int(w[19, 69])
+    assert torch.equal(native_kernels.untile_rows(tiles, 20, 70, torch.int8), w)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int4_partial_last_tile(rows: int) -> None:
+    """102 output channels: the last 4-row tile holds 2 rows and 2 of zero padding, never written out."""
+    lin = bf16_linear(102, 256, seed=11)
+    module = Int4WeightLinear(lin, native=True)
+    assert module.packed.shape == (26, 2, native_kernels.INT4_TILE_ROWS, 64)
+    x = inputs(rows, 256, seed=12).bfloat16()
+    check_bound(module(x), x.double(), module.dequantized(), lin.bias.detach(), BF16_HALF_ULP)
 
 
 @pytest.mark.parametrize("native", KERNELS)

@@ -150,21 +150,29 @@ class Int8WeightLinear(nn.Module):
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.scales = scales
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()  # own copy
+        self.out_features, self.in_features = q.shape
         self.native = _native(native)
         self.avx2 = native is None and not self.native and native_kernels.avx2_int8_available()
-        if self.avx2:
+        if self.native:
+            self.tiles = native_kernels.tile_rows(q, native_kernels.INT8_TILE_ROWS)  # [N/4, K/64, 4, 64]
+        elif self.avx2:
             self.packed_avx2 = native_kernels.pack_int8_avx2(q)  # [N/16, K, 16]
         else:
             self.weight = q  # [N, K]
 
     def dequantized(self) -> torch.Tensor:
-        q = native_kernels.unpack_int8_avx2(self.packed_avx2, self.scales.shape[0]) if self.avx2 else self.weight
+        if self.native:
+            q = native_kernels.untile_rows(self.tiles, self.out_features, self.in_features, torch.int8)
+        elif self.avx2:
+            q = native_kernels.unpack_int8_avx2(self.packed_avx2, self.out_features)
+        else:
+            q = self.weight
         return q.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.native:
-            y = native_kernels.int8_gemm(x, self.weight, self.scales)  # [M, N], fp32 or bf16 like x
+            y = native_kernels.int8_gemm(x, self.tiles, self.scales)  # [M, N], fp32 or bf16 like x
         elif self.avx2:
             y = native_kernels.int8_gemm_avx2(x, self.packed_avx2, self.scales)  # [M, N], x's dtype
         else:
@@ -294,7 +302,9 @@ class Int4WeightLinear(nn.Module):
         scale = ((groups.amax(-1) - low.float()) / 15.0).clamp(min=1e-6).to(torch.bfloat16)  # [N, G]
         q = torch.round((groups - low.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
         self.group_size = group
-        self.packed = native_kernels.pack_int4(q.to(torch.uint8).reshape(n, k))  # [N, K/2]
+        packed = native_kernels.pack_int4(q.to(torch.uint8).reshape(n, k))  # [N, K/2]
+        self.packed = native_kernels.tile_rows(packed, native_kernels.INT4_TILE_ROWS)  # [N/4, K/128, 4, 64]
+        self.out_features, self.in_features = n, k
         # fp32 (bf16 numbers): the kernel broadcasts them straight from memory. The offset's 128 * scale
         # undoes the kernel's decoding of q as the bf16 number 128 + q; exact in fp32.
         self.scale = scale.float()  # [N, G]
@@ -319,7 +329,8 @@ class Int4WeightLinear(nn.Module):
         """The weight the kernel multiplies by, in fp32: q * scale + minimum (native), or (q - 8) * scale +
         zero from torch's bf16 pairs."""
         if self.native:
-            q = native_kernels.unpack_int4(self.packed)
+            n, k = self.out_features, self.in_features
+            q = native_kernels.unpack_int4(native_kernels.untile_rows(self.packed, n, k // 2, torch.uint8))
             n, k = q.shape
             q = q.reshape(n, k // self.group_size, self.group_size).float()
             return ((q + 128) * self.scale[..., None] + self.offset[..., None]).reshape(n, k)

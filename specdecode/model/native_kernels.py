@@ -141,10 +141,15 @@ def _gemm(kernel: str, x: torch.Tensor, *weights: torch.Tensor | None, scalars: 
     return y
 
 
-def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (fp32/bf16) times (q [N, K] int8 * scale [N] bf16).T -> [M, N] in x's dtype."""
-    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16
-    return _gemm("woq_int8", x, q, scale)
+INT8_TILE_ROWS = 4
+"""Output channels of a weight-only int8 tile: the kernel's block (NR8 in cpu_kernels.c)."""
+
+
+def int8_gemm(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (fp32/bf16) times (q [N, K] int8 * scale [N] bf16).T -> [M, N] in x's dtype; q tiled by
+    `tile_rows(q, INT8_TILE_ROWS)`."""
+    assert tiles.dtype == torch.uint8 and tiles.shape[2] == INT8_TILE_ROWS and scale.dtype == torch.bfloat16
+    return _gemm("woq_int8", x, tiles, scale, n=scale.shape[0])
 
 
 INT4_GROUP = 128
@@ -170,11 +175,18 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return quarters.reshape(n, half * 2).to(torch.uint8)
 
 
-def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """x [M, K] times ((128 + q) * scale + offset).T with q packed by `pack_int4`; scale, offset fp32
-    [N, K / 128]."""
-    assert packed.dtype == torch.uint8 and scale.dtype == offset.dtype == torch.float32
-    return _gemm("woq_int4", x, packed, scale, offset)
+INT4_TILE_ROWS = 4
+"""Output channels of an int4 tile: the kernel's block (NR4 in cpu_kernels.c). One sequential stream per
+thread instead of four row streams: a decode step of the int4 1.5B target 43 ms against 49-52 on the
+Intel Xeon (AMX) VMs (BENCHMARKS.md, session 15)."""
+
+
+def int4_gemm(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times ((128 + q) * scale + offset).T with q packed by `pack_int4` and tiled by
+    `tile_rows(packed, INT4_TILE_ROWS)`; scale, offset fp32 [N, K / 128]."""
+    assert tiles.dtype == torch.uint8 and tiles.shape[2] == INT4_TILE_ROWS
+    assert scale.dtype == offset.dtype == torch.float32
+    return _gemm("woq_int4", x, tiles, scale, offset, n=scale.shape[0])
 
 
 TILE_ROWS, CHUNK_BYTES = 16, 64
@@ -195,27 +207,28 @@ def _huge_page_bytes(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)  # keeps `buf` alive
 
 
-def tile_rows(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] (any dtype) as the kernels' tiles: uint8 [ceil(N / 16), C, 16, 64], C = ceil(K bytes / 64).
+def tile_rows(w: torch.Tensor, rows_per_tile: int = TILE_ROWS) -> torch.Tensor:
+    """w [N, K] (any dtype) as the kernels' tiles: uint8 [ceil(N / R), C, R, 64], C = ceil(K bytes / 64),
+    R = `rows_per_tile` (16 for int8 x int8, `INT4_TILE_ROWS` for int4).
 
-    Rows in blocks of 16, each row cut into 64-byte chunks, chunk c of a block's 16 rows stored together,
+    Rows in blocks of R, each row cut into 64-byte chunks, chunk c of a block's R rows stored together,
     zero-padded: a one-token pass over a block reads memory as one sequential stream."""
-    n = w.shape[0]
+    n, r = w.shape[0], rows_per_tile
     rows = w.contiguous().view(torch.uint8).reshape(n, -1)  # [N, K bytes]
-    blocks, chunks = -(-n // TILE_ROWS), -(-rows.shape[1] // CHUNK_BYTES)
-    tiles = _huge_page_bytes(blocks * chunks * TILE_ROWS * CHUNK_BYTES).view(blocks, chunks, TILE_ROWS, CHUNK_BYTES)
-    if rows.shape == (blocks * TILE_ROWS, chunks * CHUNK_BYTES):  # no padding: no temporary copy
+    blocks, chunks = -(-n // r), -(-rows.shape[1] // CHUNK_BYTES)
+    tiles = _huge_page_bytes(blocks * chunks * r * CHUNK_BYTES).view(blocks, chunks, r, CHUNK_BYTES)
+    if rows.shape == (blocks * r, chunks * CHUNK_BYTES):  # no padding: no temporary copy
         padded = rows
     else:
-        padded = torch.nn.functional.pad(rows, (0, chunks * CHUNK_BYTES - rows.shape[1], 0, blocks * TILE_ROWS - n))
-    tiles.copy_(padded.view(blocks, TILE_ROWS, chunks, CHUNK_BYTES).transpose(1, 2))
+        padded = torch.nn.functional.pad(rows, (0, chunks * CHUNK_BYTES - rows.shape[1], 0, blocks * r - n))
+    tiles.copy_(padded.view(blocks, r, chunks, CHUNK_BYTES).transpose(1, 2))
     return tiles
 
 
 def untile_rows(tiles: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of `tile_rows`: a new [n, k] tensor of `dtype`."""
-    blocks, chunks = tiles.shape[:2]
-    rows = tiles.transpose(1, 2).reshape(blocks * TILE_ROWS, chunks * CHUNK_BYTES)[:n]
+    blocks, chunks, r = tiles.shape[:3]
+    rows = tiles.transpose(1, 2).reshape(blocks * r, chunks * CHUNK_BYTES)[:n]
     width = k * torch.empty((), dtype=dtype).element_size()
     return rows[:, :width].contiguous().view(dtype)
 

@@ -64,11 +64,11 @@ def linear_entry(module: nn.Module) -> tuple[LinearEntry, int] | None:
                             _ptr(module.weight_sums), _ptr(module.scales), _ptr(module.bias), float(module.qmax))
         return entry, rows
     if isinstance(module, Int8WeightLinear):
-        n, k = module.weight.shape
-        entry = LinearEntry(LIN_WOQ_INT8, n, k, _ptr(module.weight), _ptr(module.scales), None, _ptr(module.bias), 0.0)
+        entry = LinearEntry(LIN_WOQ_INT8, module.out_features, module.in_features, _ptr(module.tiles),
+                            _ptr(module.scales), None, _ptr(module.bias), 0.0)
         return entry, rows
     if isinstance(module, Int4WeightLinear):
-        n, k = module.scale.shape[0], module.packed.shape[1] * 2
+        n, k = module.out_features, module.in_features
         entry = LinearEntry(LIN_WOQ_INT4, n, k, _ptr(module.packed), _ptr(module.scale), _ptr(module.offset),
                             _ptr(module.bias), 0.0)
         return entry, rows

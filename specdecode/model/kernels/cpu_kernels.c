@@ -11,7 +11,8 @@
 //
 // int8: w[n, k] = q[n, k] * scale[n]; q int8 row-major [N, K] (torch's layout); scale bf16 [N].
 // int4: w[n, k] = (128 + q) * scale[n, g] + offset[n, g] for the group g = k / 128; q in 0..15, packed
-//       [N, K / 2] bytes (layout below); scale, offset: fp32 [N, K / 128] (offset = minimum - 128 * scale).
+//       [N, K / 2] bytes (layout below) in tiles of 4 rows; scale, offset: fp32 [N, K / 128] (offset =
+//       minimum - 128 * scale).
 //       sum x * w over a group is computed as scale * (sum x * (128 + q)) + offset * sum x.
 
 #include <immintrin.h>
@@ -75,6 +76,7 @@ static inline void store(void* y, int y_is_f32, int64_t idx, float v) {
 #define PF_HINT _MM_HINT_T1
 #endif
 #define ALWAYS_INLINE TARGET static inline __attribute__((always_inline))
+#define PF_AHEAD 4096  // one token: bytes of its own stream prefetched ahead (measured: 1-8 KB alike, none -5%)
 
 // The row the block starting at n0 prefetches: ~6 KB of weights ahead (measured best for rows of 768 B to
 // 9 KB), rounded to whole blocks; the last blocks prefetch themselves.
@@ -87,8 +89,8 @@ static inline int64_t prefetch_row(int64_t n0, int64_t rows_per_block, int64_t N
 
 // One pass over NR8 output channels for MB rows of x (permuted fp32 [M, Kp]); MB is a constant after inlining.
 // `next` is the first row of the following block: it is prefetched while this block is computed.
-ALWAYS_INLINE void int8_pass(const int MB, const float* xp, int64_t Kp, int64_t K, const int8_t* const* rows,
-                             const int8_t* next, float* out) {
+ALWAYS_INLINE void int8_pass(const int MB, const float* xp, int64_t Kp, int64_t K, const int8_t* tile,
+                             float* out) {
     // vpshufb controls: byte j of each 32-bit lane to its top byte, zeros below (0x80 clears a byte); the
     // indices count bytes within each 128-bit lane, so dword d takes byte 4d + j.
     __m512i to_top[3];
@@ -109,8 +111,9 @@ ALWAYS_INLINE void int8_pass(const int MB, const float* xp, int64_t Kp, int64_t 
         __m512 wv[NR8][4];
 #pragma GCC unroll 4
         for (int r = 0; r < NR8; r++) {
-            _mm_prefetch((const char*)(next + r * K + k), PF_HINT);
-            const __m512i v = _mm512_maskz_loadu_epi8(mask, rows[r] + k);
+            const int8_t* chunk = tile + (k / 64 * NR8 + r) * 64;
+            _mm_prefetch((const char*)(chunk + PF_AHEAD), PF_HINT);
+            const __m512i v = _mm512_maskz_loadu_epi8(mask, chunk);
 #pragma GCC unroll 3
             for (int j = 0; j < 3; j++) wv[r][j] = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, to_top[j]));
             wv[r][3] = _mm512_cvtepi32_ps(_mm512_and_si512(v, top));
@@ -134,17 +137,15 @@ ALWAYS_INLINE void int8_pass(const int MB, const float* xp, int64_t Kp, int64_t 
 
 TARGET static void int8_block(const float* xp, int64_t M, int64_t Kp, int64_t K, const int8_t* w,
                               const uint16_t* scale, int64_t n0, int64_t N, void* y, int y_is_f32) {
-    const int8_t* rows[NR8];
-    for (int r = 0; r < NR8; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last row
-    const int8_t* next = w + prefetch_row(n0, NR8, N, K) * K;
+    const int8_t* tile = w + n0 * Kp;  // the block's NR8 rows, each zero-padded to Kp, zero rows past N
     float out[MB8 * NR8];
     for (int64_t m0 = 0; m0 < M; m0 += MB8) {
         const int mb = M - m0 < MB8 ? (int)(M - m0) : MB8;
         const float* xm = xp + m0 * Kp;
         if (mb == 1)  // constant row counts: the accumulators stay in registers
-            int8_pass(1, xm, Kp, K, rows, next, out);
+            int8_pass(1, xm, Kp, K, tile, out);
         else
-            int8_pass(2, xm, Kp, K, rows, next, out);
+            int8_pass(2, xm, Kp, K, tile, out);
         for (int r = 0; r < NR8 && n0 + r < N; r++) {
             const float s = bf16_to_f32(scale[n0 + r]) * 0x1p-24f;  // exact: a power of two
             for (int i = 0; i < mb; i++) store(y, y_is_f32, (m0 + i) * N + n0 + r, s * out[i * NR8 + r]);
@@ -175,13 +176,16 @@ TARGET void woq_int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 // Groups of 128 weights, one 64-byte chunk each: 16-bit word i holds the nibbles of weights i, i + 32,
 // i + 64 and i + 96 (lowest first). Shifts and one ternary logic op per vector give four vectors of 32
 // bf16 numbers 128 + q in the weights' own order (bits 0x4300 | q), all in-lane.
+// Rows come in tiles of NR4 (`native_kernels.tile_rows(packed, 4)`): chunk c of row r of a block is at
+// tile + (c * NR4 + r) * 64, so a block reads one sequential stream rather than NR4 streams a row apart
+// (decode step of the int4 1.5B target: 43 ms against 49-52 on 2 Intel Xeon cores, BENCHMARKS.md).
 
 #define NR4 4
 #define MB4 2
 
 // One pass over NR4 output channels for MB rows of x (bf16 [M, K]): sums of scale * x * (128 + q).
-ALWAYS_INLINE void int4_pass(const int MB, const uint16_t* xb, int64_t K, const uint8_t* const* rows,
-                             const float* const* scales, const int8_t* next, float* out) {
+ALWAYS_INLINE void int4_pass(const int MB, const uint16_t* xb, int64_t K, const uint8_t* tile,
+                             const float* const* scales, float* out) {
     const __m512i nib = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
     __m512 acc[NR4][MB4];
 #pragma GCC unroll 4
@@ -191,8 +195,9 @@ ALWAYS_INLINE void int4_pass(const int MB, const uint16_t* xb, int64_t K, const 
     for (int64_t k = 0; k < K; k += 128) {
 #pragma GCC unroll 4
         for (int r = 0; r < NR4; r++) {
-            _mm_prefetch((const char*)(next + r * (K / 2) + k / 2), PF_HINT);
-            const __m512i v = _mm512_loadu_si512(rows[r] + k / 2);
+            const uint8_t* chunk = tile + (k / 128 * NR4 + r) * 64;
+            _mm_prefetch((const char*)(chunk + PF_AHEAD), PF_HINT);
+            const __m512i v = _mm512_loadu_si512(chunk);
             __m512bh wv[4];
             wv[0] = (__m512bh)_mm512_ternarylogic_epi32(v, nib, magic, 0xEA);  // (v & nib) | magic
             wv[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, magic, 0xEA);
@@ -231,22 +236,17 @@ TARGET static void int4_block(const uint16_t* xb, const float* xsum, int64_t M, 
                               const float* scale, const float* offset, int64_t n0, int64_t N, void* y,
                               int y_is_f32) {
     const int64_t G = K / 128;
-    const uint8_t* rows[NR4];
+    const uint8_t* tile = w + n0 * (K / 2);  // the block's NR4 rows, zero-padded past N
     const float* scales[NR4];
-    for (int r = 0; r < NR4; r++) {
-        const int64_t n = n0 + r < N ? n0 + r : N - 1;  // a tail repeats the last row
-        rows[r] = w + n * (K / 2);
-        scales[r] = scale + n * G;
-    }
-    const int8_t* next = (const int8_t*)w + prefetch_row(n0, NR4, N, K / 2) * (K / 2);
+    for (int r = 0; r < NR4; r++) scales[r] = scale + (n0 + r < N ? n0 + r : N - 1) * G;  // a tail repeats the last
     float out[MB4 * NR4];
     for (int64_t m0 = 0; m0 < M; m0 += MB4) {
         const int mb = M - m0 < MB4 ? (int)(M - m0) : MB4;
         const uint16_t* xm = xb + m0 * K;
         if (mb == 1)  // constant row counts: the accumulators stay in registers
-            int4_pass(1, xm, K, rows, scales, next, out);
+            int4_pass(1, xm, K, tile, scales, out);
         else
-            int4_pass(2, xm, K, rows, scales, next, out);
+            int4_pass(2, xm, K, tile, scales, out);
         for (int r = 0; r < NR4 && n0 + r < N; r++) {
             for (int i = 0; i < mb; i++)
                 store(y, y_is_f32, (m0 + i) * N + n0 + r,
@@ -299,7 +299,6 @@ TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 #define TILE_ROWS 16
 #define CHUNK_BYTES 64
 #define TILE_CHUNK_BYTES (TILE_ROWS * CHUNK_BYTES)
-#define PF_AHEAD 4096  // one token: bytes of its own stream prefetched ahead (measured: 1-8 KB alike, none -5%)
 
 // The tile block holding row n0 (a multiple of TILE_ROWS); chunk j of its row r is at
 // tile + j * TILE_CHUNK_BYTES + r * CHUNK_BYTES.
