@@ -219,12 +219,13 @@ def test_memory_check_refuses_before_loading(
 def test_memory_estimate_counts_a_re_laid_out_copy_of_a_tied_output_matrix(
     tiny_llama_dir: Path, tied: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On AVX2 CPUs the bf16 kernel keeps its own copy of every linear's weights, a tied output matrix included."""
+    """On AVX2 and AMX CPUs the bf16 kernel keeps its own copy of every linear's weights, a tied output matrix
+    included."""
     cfg = dataclasses.replace(read_config(tiny_llama_dir), tie_word_embeddings=tied)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     sizes = {}
     for packs in (True, False):
-        monkeypatch.setattr(validation, "bf16_uses_avx2_kernel", lambda packs=packs: packs)
+        monkeypatch.setattr(validation, "bf16_copies_weights", lambda packs=packs: packs)
         sizes[packs] = (validation.estimate_bytes(cfg, bf16, 64, device=cpu),
                         validation.estimate_bytes(cfg, torch.float32, 64, device=cpu),
                         validation.estimate_bytes(cfg, bf16, 64, device=torch.device("cuda")))

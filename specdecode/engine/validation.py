@@ -6,7 +6,7 @@ import psutil
 import torch
 
 from specdecode.model.config import ModelConfig
-from specdecode.model.fast_linear import bf16_uses_avx2_kernel
+from specdecode.model.fast_linear import bf16_copies_weights
 from specdecode.model.tokenizer import Tokenizer
 
 
@@ -44,11 +44,11 @@ def check_vocab_compatible(target_name: str, target: Tokenizer, draft_name: str,
 def estimate_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int, batch: int = 1,
                    device: torch.device | None = None) -> int:
     """Weights in `dtype` plus a KV cache of max_len tokens per row, plus activation headroom. A tied output
-    matrix counts twice where the CPU's bf16 kernel keeps its own re-laid-out copy of it (AVX2 CPUs)."""
+    matrix counts twice where the CPU's bf16 kernel keeps its own re-laid-out copy of it (AVX2 and AMX CPUs)."""
     width = torch.finfo(dtype).bits // 8
     weights = cfg.num_parameters() * width
     on_cpu = device is None or device.type == "cpu"
-    if cfg.tie_word_embeddings and dtype == torch.bfloat16 and on_cpu and bf16_uses_avx2_kernel():
+    if cfg.tie_word_embeddings and dtype == torch.bfloat16 and on_cpu and bf16_copies_weights():
         weights += cfg.vocab_size * cfg.hidden_size * width
     kv = cfg.kv_bytes_per_token(width) * max_len * batch
     headroom = 4 * cfg.vocab_size * 4 * 16 + 64 * 2**20  # logits of a 16-token verify + runtime slack

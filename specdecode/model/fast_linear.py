@@ -57,6 +57,12 @@ def bf16_uses_avx2_kernel() -> bool:
     return not native_kernels.available() and not onednn_bf16_supported() and native_kernels.avx2_available()
 
 
+def bf16_copies_weights() -> bool:
+    """The bf16 format keeps its own re-laid-out copy of the weights here (the AVX2 or the AMX kernel), so a tied
+    output matrix costs its bytes twice (`engine.validation.estimate_bytes`)."""
+    return bf16_uses_avx2_kernel() or (native_kernels.available() and native_kernels.amx_available())
+
+
 NATIVE_BF16_MAX_ROWS = 65
 """Rows up to which bf16 linears take our kernel: one token, or the verification of a chain or of a tree of
 up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) go to torch: oneDNN,
@@ -108,10 +114,14 @@ class BF16Linear(nn.Module):
             w = w.clone()
         self.out_features, self.in_features = w.shape
         self.native = _native(native)
+        self.amx = self.native and native_kernels.amx_available()
+        """Intel CPUs with AMX: our AMX kernel for every row count (prefill too), weights re-laid out."""
         self.avx2 = not self.native and bf16_uses_avx2_kernel()
         """A CPU without AVX512 (oneDNN's bf16 matmul refuses to run): our AVX2 kernel for a few rows,
         fp32 matmuls for prefill."""
-        if self.native:
+        if self.amx:
+            self.packed_amx = native_kernels.pack_bf16_amx(w)  # [N/64, K/32, 4, 16, 16, 2]; a copy (tied too)
+        elif self.native:
             self.weight = w.contiguous()  # [N, K]
         elif self.avx2:
             self.packed_avx2 = native_kernels.pack_bf16_avx2(w)  # [N/16, K, 16]; a copy (of a tied lm_head too)
@@ -123,6 +133,9 @@ class BF16Linear(nn.Module):
         if not (self.native or self.avx2):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         shape = x.shape
+        if self.amx:
+            y = native_kernels.bf16_gemm_amx(x, self.packed_amx, self.out_features, self.bias)  # [M, N], x's dtype
+            return y.reshape(*shape[:-1], y.shape[-1])
         if x.numel() // shape[-1] > NATIVE_BF16_MAX_ROWS:
             if self.avx2:  # torch's bf16 matmul has no fast path here: fp32 matmuls on chunks of the weights
                 y = fp32_linear_by_chunks(x.reshape(-1, shape[-1]), self.packed_avx2, self.out_features, self.bias)

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.c"
+SOURCE_AMX = Path(__file__).with_name("kernels") / "cpu_kernels_amx.c"
+"""The bf16 GEMM on AMX tiles (Intel Sapphire Rapids and later): every row count at about one row's cost."""
 SOURCE_AVX2 = Path(__file__).with_name("kernels") / "cpu_kernels_avx2.c"
 """The bf16 GEMM for CPUs with AVX2 but without AVX512-BF16, where neither the kernels above nor oneDNN's
 bf16 matmul run (`bf16_gemm_avx2`)."""
@@ -112,6 +114,58 @@ def avx2_int8_available() -> bool:
     """The AVX2 library has the weight-only int8 GEMM too."""
     lib = _avx2_library()
     return lib is not None and hasattr(lib, "int8_gemm")
+
+
+@functools.cache
+def _amx_library() -> ctypes.CDLL | None:
+    if os.environ.get("SPECDECODE_AMX", "1") == "0":
+        return None
+    lib = _load(SOURCE_AMX, "cpu-kernels-amx", "amx_supported")
+    if lib is not None:
+        lib.amx_bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
+        lib.amx_bf16_gemm.restype = None
+    return lib
+
+
+def amx_available() -> bool:
+    """bf16 linears take the AMX kernel here: the CPU has AMX-BF16 and the kernel builds (SPECDECODE_AMX=0
+    turns it off)."""
+    return _amx_library() is not None
+
+
+AMX_COLS, AMX_KSTEP = 64, 32
+"""Output channels per group and k per tile step of the AMX kernel's packed weights."""
+
+
+def pack_bf16_amx(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] bf16 -> the AMX kernel's layout [ceil(N / 64), ceil(K / 32), 4, 16, 16, 2] (zero-padded):
+    element [g, s, t, p, n, j] = w[64 g + 16 t + n, 32 s + 2 p + j]."""
+    n, k = w.shape
+    groups, steps = -(-n // AMX_COLS), -(-k // AMX_KSTEP)
+    padded = torch.nn.functional.pad(w.to(torch.bfloat16), (0, steps * AMX_KSTEP - k, 0, groups * AMX_COLS - n))
+    out = _huge_page_bytes(padded.numel() * 2).view(torch.bfloat16).view(groups, steps, 4, 16, 16, 2)
+    out.copy_(padded.view(groups, 4, 16, steps, 16, 2).permute(0, 3, 1, 4, 2, 5))
+    return out
+
+
+def unpack_bf16_amx(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `pack_bf16_amx`: a new [n, k] bf16 tensor."""
+    groups, steps = packed.shape[:2]
+    return packed.permute(0, 2, 4, 1, 3, 5).reshape(groups * AMX_COLS, steps * AMX_KSTEP)[:n, :k].contiguous()
+
+
+def bf16_gemm_amx(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (fp32/bf16) times the packed weights' w.T + bias (bf16 [N]) -> [M, N] in x's dtype, on AMX
+    tiles: any M, each row's result independent of the others; the bias is added in fp32 before rounding."""
+    assert packed.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
+    return _gemm("amx_bf16", x, packed, bias, n=n, lib=_amx_library())
+
+
+def amx_gemm_address() -> int:
+    """Address of the AMX kernel's C function, for the native decoder stack's linear entries."""
+    lib = _amx_library()
+    assert lib is not None
+    return ctypes.cast(lib.amx_bf16_gemm, ctypes.c_void_p).value or 0
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from specdecode.model.fast_linear import (
 )
 from specdecode.model.kv_cache import CacheSlots, KVCache
 
-LIN_BF16, LIN_INT8_DYNAMIC, LIN_WOQ_INT8, LIN_WOQ_INT4 = 0, 1, 2, 3
+LIN_BF16, LIN_INT8_DYNAMIC, LIN_WOQ_INT8, LIN_WOQ_INT4, LIN_GEMM_FN = 0, 1, 2, 3, 4
 
 
 class LinearEntry(ctypes.Structure):
@@ -55,6 +55,10 @@ def linear_entry(module: nn.Module) -> tuple[LinearEntry, int] | None:
         module, rows = module.int4, module.max_int4_rows
     if not getattr(module, "native", False):
         return None
+    if isinstance(module, BF16Linear) and module.amx:  # any row count
+        entry = LinearEntry(LIN_GEMM_FN, module.out_features, module.in_features, _ptr(module.packed_amx),
+                            native_kernels.amx_gemm_address(), None, _ptr(module.bias), 0.0)
+        return entry, rows
     if isinstance(module, BF16Linear):
         entry = LinearEntry(LIN_BF16, module.out_features, module.in_features, _ptr(module.weight), None, None,
                             _ptr(module.bias), 0.0)

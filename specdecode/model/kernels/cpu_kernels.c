@@ -704,12 +704,17 @@ TARGET void silu_mul_bf16(const uint16_t* gate_up, int64_t M, int64_t I, uint16_
 // layer makes the same native calls in the same order, and the residual adds round as torch's bf16 adds do,
 // so the bits are those of the module-by-module forward (tests/test_native_stack.py).
 
-enum { LIN_BF16 = 0, LIN_INT8_DYNAMIC = 1, LIN_WOQ_INT8 = 2, LIN_WOQ_INT4 = 3 };
+enum { LIN_BF16 = 0, LIN_INT8_DYNAMIC = 1, LIN_WOQ_INT8 = 2, LIN_WOQ_INT4 = 3, LIN_GEMM_FN = 4 };
+
+// A GEMM of another library with bf16_gemm's arguments (the AMX kernel, cpu_kernels_amx.c).
+typedef void (*gemm_fn)(const void* x, int x_is_f32, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias,
+                        int64_t N, void* y, int y_is_f32, int threads);
 
 typedef struct {  // one linear layer, as `native_stack.linear_entry` fills it (all fields 8 bytes)
     int64_t kind, n, k;
-    const void* w;     // bf16 [N, K] | int8 tiles | int8 [N, K] | packed int4 [N, K / 2]
-    const void* a;     // int8-dynamic: weight sums int32 [N]; woq int8: scale bf16 [N]; int4: scale fp32 [N, G]
+    const void* w;     // bf16 [N, K] | int8 tiles | int8 tiles | int4 tiles | the GEMM's own layout
+    const void* a;     // int8-dynamic: weight sums int32 [N]; woq int8: scale bf16 [N]; int4: scale fp32 [N, G];
+                       // GEMM_FN: the gemm_fn
     const void* b;     // int8-dynamic: scale fp32 [N]; int4: offset fp32 [N, G]
     const void* bias;  // bf16 [N] (fp32 for int8-dynamic), or NULL
     double qmax;       // int8-dynamic: activation range
@@ -733,6 +738,9 @@ TARGET static void linear_run(const linear_t* l, const uint16_t* x, int64_t M, u
     switch (l->kind) {
         case LIN_BF16:
             bf16_gemm(x, 0, M, l->k, (const uint16_t*)l->w, (const uint16_t*)l->bias, l->n, y, 0, threads);
+            return;
+        case LIN_GEMM_FN:
+            ((gemm_fn)l->a)(x, 0, M, l->k, (const uint16_t*)l->w, (const uint16_t*)l->bias, l->n, y, 0, threads);
             return;
         case LIN_INT8_DYNAMIC:
             int8_dynamic_gemm(x, 0, M, l->k, l->w, (const int32_t*)l->a, (const float*)l->b, (const float*)l->bias,
