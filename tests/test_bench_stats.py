@@ -208,9 +208,9 @@ def test_weight_bytes_counts_packed_linear_tensors():
     convert_linears(model, "int8")
     info = weight_bytes_per_token(model)
     assert info["bytes"] == 64 * 32 * 1 + 32 * 2  # int8 weight + bf16 scales
-    model = nn.Sequential(nn.Linear(64, 32, bias=False).to(torch.bfloat16))
+    model = nn.Sequential(nn.Linear(64, 64, bias=False).to(torch.bfloat16))  # whole AMX groups: no padding
     convert_linears(model, "bf16")
-    assert weight_bytes_per_token(model)["bytes"] == 64 * 32 * 2
+    assert weight_bytes_per_token(model)["bytes"] == 64 * 64 * 2
 
 
 def test_weight_bytes_counts_int4_packed_and_scales_not_test_copy():
