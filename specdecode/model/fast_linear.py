@@ -66,7 +66,7 @@ def bf16_copies_weights() -> bool:
 NATIVE_BF16_MAX_ROWS = 65
 """Rows up to which bf16 linears take our kernel: one token, or the verification of a chain or of a tree of
 up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) go to torch: oneDNN,
-or fp32 matmuls on chunks (`fp32_linear_by_chunks`) on AVX2-only CPUs."""
+or fp32 matmuls on chunks (`fp32_linear_by_chunks`) on AVX2-only CPUs. (The AMX kernel has no such limit.)"""
 
 
 FP32_CHUNK_CHANNELS = 256
@@ -103,7 +103,9 @@ class BF16Linear(nn.Module):
     pre-packed ones, and a row's result does not depend on the other rows of the forward. Prefill goes
     to torch's bf16 matmul, which re-packs the weights per call: little next to a long prompt's
     arithmetic. Without them: oneDNN's weights pre-packed once (the plain bf16 matmul re-packs on every
-    call and reads a single token at ~1/3 of memory bandwidth)."""
+    call and reads a single token at ~1/3 of memory bandwidth). On Intel CPUs with AMX, our AMX kernel takes
+    every forward, prefill included (`native_kernels.bf16_gemm_amx`): a 16-row verification there costs ~1.2x
+    one row, against ~3x on the AVX512 kernel, whose bf16 dot products are slow on those cores."""
 
     def __init__(self, linear: nn.Linear, native: bool | None = None, own: bool = False) -> None:
         """own: copy the weights even where they are bf16 already (a quantizing conversion frees what was loaded;

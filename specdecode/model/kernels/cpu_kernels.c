@@ -9,7 +9,7 @@
 // does not depend on the other rows of the forward (speculative verification gives, bit for bit, the
 // rows of single-token forwards). Threads split the output channels.
 //
-// int8: w[n, k] = q[n, k] * scale[n]; q int8 row-major [N, K] (torch's layout); scale bf16 [N].
+// int8: w[n, k] = q[n, k] * scale[n]; q int8 [N, K] in tiles of 4 rows (below); scale bf16 [N].
 // int4: w[n, k] = (128 + q) * scale[n, g] + offset[n, g] for the group g = k / 128; q in 0..15, packed
 //       [N, K / 2] bytes (layout below) in tiles of 4 rows; scale, offset: fp32 [N, K / 128] (offset =
 //       minimum - 128 * scale).
@@ -102,7 +102,8 @@ static inline int64_t prefetch_row(int64_t n0, int64_t rows_per_block, int64_t N
 }
 
 // One pass over NR8 output channels for MB rows of x (permuted fp32 [M, Kp]); MB is a constant after inlining.
-// `next` is the first row of the following block: it is prefetched while this block is computed.
+// `tile`: the block's rows as `native_kernels.tile_rows(q, 4)` stores them (chunk c of row r at
+// tile + (c * NR8 + r) * 64: one sequential stream, prefetched PF_AHEAD bytes ahead).
 ALWAYS_INLINE void int8_pass(const int MB, const float* xp, int64_t Kp, int64_t K, const int8_t* tile,
                              float* out) {
     // vpshufb controls: byte j of each 32-bit lane to its top byte, zeros below (0x80 clears a byte); the

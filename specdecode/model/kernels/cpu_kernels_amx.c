@@ -29,7 +29,7 @@
 #define KSTEP 32     // k per tile step (16 pairs)
 #define TILE_BYTES 1024
 #ifndef PF_AHEAD
-#define PF_AHEAD 2048  // bytes of the group's stream prefetched ahead into L2
+#define PF_AHEAD 2048  // bytes of the group's stream prefetched ahead into L2 (measured: 0-8 KB alike)
 #endif
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1
