@@ -16,6 +16,7 @@ import time
 from unittest import mock
 
 import torch
+from decode_step import prefill_ms
 
 from specdecode.model import native_kernels
 from specdecode.model.fast_linear import convert_linears
@@ -37,14 +38,6 @@ def forward_ms(model: torch.nn.Module, tokens: int, repeats: int = 3) -> float:
             samples.append(time.perf_counter() - t0)
             cache.set_length(0, CONTEXT)
     return statistics.median(samples[1:]) * 1e3
-
-
-def prefill_ms(model: torch.nn.Module, tokens: int) -> float:
-    cache = model.new_cache(1, tokens + 1)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        model(torch.full((1, tokens), 5), torch.arange(tokens)[None], cache)
-    return (time.perf_counter() - t0) * 1e3
 
 
 def main() -> None:

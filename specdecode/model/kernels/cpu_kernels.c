@@ -70,8 +70,10 @@ static inline void store(void* y, int y_is_f32, int64_t idx, float v) {
 #define NR8 4  // output channels per block
 #define MB8 2  // activation rows per pass over a block (4 x 4 decoded vectors + 2 x 4 accumulators + x)
 
-// Software prefetch of the next block of rows into L2 while this one is computed: on these 2-core Zen 4
-// VMs it takes the int8 kernel from ~21 to ~33 GB/s for rows of 1536 (L1 prefetches: no gain; none: 16).
+// Row-major weights (bf16): software prefetch of the next block of rows into L2 while this one is computed.
+// On the 2-core Zen 4 VMs it took the int8 kernel, row-major then, from ~21 to ~33 GB/s for rows of 1536 (L1
+// prefetches: no gain; none: 16). Tiled weights (int8 x int8, weight-only int8 / int4) prefetch PF_AHEAD
+// bytes ahead in their one stream instead.
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1
 #endif
@@ -193,7 +195,7 @@ TARGET void woq_int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 // bf16 numbers 128 + q in the weights' own order (bits 0x4300 | q), all in-lane.
 // Rows come in tiles of NR4 (`native_kernels.tile_rows(packed, 4)`): chunk c of row r of a block is at
 // tile + (c * NR4 + r) * 64, so a block reads one sequential stream rather than NR4 streams a row apart
-// (decode step of the int4 1.5B target: 43 ms against 49-52 on 2 Intel Xeon cores, BENCHMARKS.md).
+// (decode step of the int4 1.5B target: 42-44 ms against 46-53 on 2 Intel Xeon cores, BENCHMARKS.md).
 
 #define NR4 4
 #define MB4 2
