@@ -296,3 +296,48 @@ def test_train_head_data_only_with_batched_self_distillation(tiny_llama_dir: Pat
     assert len((data / "self-answers-diverse-3.jsonl").read_text().splitlines()) == 3
     shards = sorted((data / "self-diverse-3").glob("shard-*.safetensors"))
     assert shards and load_shard(shards[0]).hidden.shape[-1] == 64
+
+
+def test_written_request_prompts_cover_every_kind_and_are_fixed_by_the_seed() -> None:
+    from specdecode.heads.written import REQUEST_KINDS, written_request_prompts
+
+    prompts = written_request_prompts(2 * len(REQUEST_KINDS))
+    assert prompts == written_request_prompts(2 * len(REQUEST_KINDS))
+    assert written_request_prompts(5) == prompts[:5]  # a larger set starts with a smaller one
+    assert sum(p.startswith("Write two or three sentences in ") for p in prompts) == 4
+    assert all("{" not in p for p in prompts)
+
+
+def test_clean_written_request() -> None:
+    """The request in the target's reply: preambles, labels and quotes go; a reply with no request is
+    refused; a text in another language becomes a request to translate it into English."""
+    from specdecode.heads.written import clean_written_request
+
+    ask = "Write one short factual question about volcanoes. Reply with the question only."
+    assert clean_written_request(ask, '"Why do volcanoes erupt?"') == "Why do volcanoes erupt?"
+    assert clean_written_request(ask, "Sure, here is one:\n\n**Question:** Why do volcanoes erupt?") == \
+        "Why do volcanoes erupt?"
+    assert clean_written_request(ask, "Sure, what topic would you like?") is None
+    assert clean_written_request(ask, "Why?") is None
+    assert clean_written_request(ask, "x" * 2000) is None
+    two_lines = "A bakery sells 40 rolls a day.\nHow many does it sell in a week?"
+    assert clean_written_request(ask, two_lines) == two_lines
+    german = "Write two or three sentences in German about trains. Reply with the German text only."
+    assert clean_written_request(german, "Der Zug fährt schnell.") == "Translate German to English: Der Zug fährt schnell."
+
+
+def test_written_requests_are_cached_and_resumed(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The target writes the requests (sampled with a seed per request, so a rerun gives the same ones);
+    the raw replies are cached and a larger set only writes the new ones."""
+    from specdecode.heads.written import written_request_prompts, written_requests
+
+    llm = LLM(str(tiny_llama_dir), dtype="fp32")
+    path = tmp_path / "written.jsonl"
+    first = written_requests(llm, 3, path, batch=2, max_tokens=24)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(r["seed"] for r in rows) == [0, 1, 2]
+    assert [r["prompt"] for r in sorted(rows, key=lambda r: r["seed"])] == written_request_prompts(3)
+    again = written_requests(llm, 4, path, batch=2, max_tokens=24)
+    assert len(path.read_text().splitlines()) == 4 and all(r in again for r in first)
+    fresh = written_requests(llm, 3, tmp_path / "fresh.jsonl", batch=1, max_tokens=24)  # one at a time, same seeds
+    assert fresh == first

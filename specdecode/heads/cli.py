@@ -27,6 +27,10 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
                    help="also train on the target's own answers to N diverse requests: translation, word problems, "
                         "explanations, advice, letters, summaries, passage questions (selfgen.diverse_requests); "
                         "combines with --self-distill")
+    p.add_argument("--self-distill-written", type=int, default=0, metavar="N",
+                   help="also train on the target's answers to N requests it writes itself (sampled, one seed each: "
+                        "creative writing, role-play, reasoning, math, science, history, search questions, advice, "
+                        "extraction, comparisons, texts to translate into English; heads.written)")
     p.add_argument("--self-distill-batch", type=int, default=1, metavar="B",
                    help="answer B requests at once with continuous batching (plain decoding, no draft)")
     p.add_argument("--self-distill-quantization", choices=["none", "int8-dynamic"], default="none",
@@ -64,6 +68,7 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint
     from specdecode import LLM
     from specdecode.heads.features import conversation_ids, generate_features
     from specdecode.heads.selfgen import back_translation_requests, self_distilled_conversations
+    from specdecode.heads.written import written_requests
     from specdecode.model.fast_linear import convert_linears, target_linear_format
     from specdecode.model.load import load_model
 
@@ -73,6 +78,9 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint
     else:
         spec = {"method": "draft", "model": args.self_distill_draft} if args.self_distill_draft else {"method": "ngram"}
     llm = LLM(args.target, speculative_config=spec, quantization=args.self_distill_quantization, max_model_len=4096)
+    if args.self_distill_written > 0:  # the target writes these requests first (cached, resumable)
+        n = args.self_distill_written
+        request_sets[f"written-{n}"] = written_requests(llm, n, data_dir / f"written-requests-{n}.jsonl", batch=batch)
     answered: dict[str, list] = {}
     for tag, requests in request_sets.items():
         out = data_dir / f"self-answers-{tag}.jsonl"
@@ -129,7 +137,7 @@ def run_train_head(args: argparse.Namespace) -> int:
         request_sets[str(args.self_distill)] = self_distill_requests(args.self_distill)
     if args.self_distill_diverse > 0:
         request_sets[f"diverse-{args.self_distill_diverse}"] = diverse_requests(args.self_distill_diverse)
-    if request_sets:
+    if request_sets or args.self_distill_written > 0:
         shards += _self_distilled_shards(args, data_dir, fingerprint, request_sets)
     if args.data_only:
         print(f"{len(shards)} shards of training data in {data_dir}")

@@ -12,14 +12,13 @@ Answers are appended to a JSONL file as they finish; a rerun skips the requests 
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 import re
 from pathlib import Path
 
+from specdecode.heads.batch_answers import answer_all
 from specdecode.heads.corpus import Messages, code_conversations, documentation_texts, prose_conversations
-from specdecode.heads.features import progress_bar
 
 
 def self_distill_requests(count: int, seed: int = 1) -> list[str]:
@@ -167,29 +166,12 @@ def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_
         with out_jsonl.open("a") as f:
             f.writelines(json.dumps(conv) + "\n" for conv in known.values())
         answered.update(known)
-    with out_jsonl.open("a") as f, progress_bar(total=len(todo), desc="target answers", unit="answer") as bar:
+    with out_jsonl.open("a") as f:
         def save(request: str, answer: str) -> None:
             conv = [{"role": "user", "content": request}, {"role": "assistant", "content": answer}]
             f.write(json.dumps(conv) + "\n")
             f.flush()
             answered[request] = conv
-            bar.update(1)
 
-        if batch <= 1:
-            for request in todo:
-                save(request, llm.chat([{"role": "user", "content": request}], params(request))[0].text)
-        else:
-            engine = llm.batch_engine(max_num_seqs=batch)
-            queue = [(r, llm.new_sequence(prompt_ids[r], params(r))) for r in todo]
-            request_of = {seq.request_id: r for r, seq in queue}
-            pending = iter(queue)
-            for _, seq in itertools.islice(pending, batch):
-                engine.add(seq)
-            while engine.has_work():
-                for seq in engine.step():
-                    if seq.finished:
-                        save(request_of[seq.request_id], seq.to_output().text)
-                        nxt = next(pending, None)
-                        if nxt is not None:
-                            engine.add(nxt[1])
+        answer_all(llm, [(r, prompt_ids[r], params(r)) for r in todo], save, batch=batch)  # type: ignore[arg-type]
     return [answered[r] for r in requests if r in answered]
