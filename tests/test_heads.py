@@ -323,7 +323,8 @@ def test_clean_written_request() -> None:
     two_lines = "A bakery sells 40 rolls a day.\nHow many does it sell in a week?"
     assert clean_written_request(ask, two_lines) == two_lines
     german = "Write two or three sentences in German about trains. Reply with the German text only."
-    assert clean_written_request(german, "Der Zug fährt schnell.") == "Translate German to English: Der Zug fährt schnell."
+    want = "Translate German to English: Der Zug fährt schnell."
+    assert clean_written_request(german, "Der Zug fährt schnell.") == want
 
 
 def test_written_requests_are_cached_and_resumed(tiny_llama_dir: Path, tmp_path: Path) -> None:
