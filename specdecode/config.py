@@ -49,8 +49,10 @@ class SpeculativeConfig:
     node budget spread over the depth, where the node budget is the largest target forward the measured
     cost model finds nearly as cheap as one token. None = the method's default: a chain for "draft",
     dynamic for "eagle" and "medusa"."""
-    draft_tree_branching: int = 2
-    """Tree proposers: top-b candidates expanded per kept node."""
+    draft_tree_branching: int | None = None
+    """Tree proposers: top-b candidates expanded per kept node. None = the method's default: 4 for "eagle"
+    (on Spec-Bench 60 it drafted a little more than 2 at no cost in speed: τ 2.36 vs 2.33, BENCHMARKS.md
+    session 18), 2 for "draft" and "medusa"."""
     quantization: str = "auto"
     """Draft weight format: "none", "int8", "int8-dynamic", "int4", or "auto" (int4 for a bf16 draft on
     CPU, the fastest single-token path measured here; none otherwise)."""
@@ -66,7 +68,8 @@ class SpeculativeConfig:
         if self.method in NEEDS_MODEL and not self.model:
             raise ValueError(f'method "{self.method}" needs "model": {NEEDS_MODEL[self.method]}')
         width = self.draft_tree_width
-        if (width is not None and not 0 <= width <= 16) or not 1 <= self.draft_tree_branching <= 8:
+        branching = self.draft_tree_branching
+        if (width is not None and not 0 <= width <= 16) or (branching is not None and not 1 <= branching <= 8):
             raise ValueError(
                 f"draft_tree_width must be null or in [0, 16] and draft_tree_branching in [1, 8], got "
                 f"{self.draft_tree_width} and {self.draft_tree_branching}"
@@ -91,6 +94,13 @@ class SpeculativeConfig:
         if self.draft_tree_width is not None:
             return self.draft_tree_width
         return 1 if self.method == "draft" else 0
+
+    @property
+    def tree_branching(self) -> int:
+        """Configured top-b expansion per tree node, or the method's default."""
+        if self.draft_tree_branching is not None:
+            return self.draft_tree_branching
+        return 4 if self.method == "eagle" else 2
 
     @property
     def adaptive(self) -> bool:

@@ -135,10 +135,16 @@ def test_parse_method():
     assert parse_method("eagle-w2-nolookup-k4", None, heads).speculative_config == {
         "method": "eagle", "model": "e", "num_speculative_tokens": 4, "draft_tree_width": 2,
         "draft_prompt_lookup": False}
+    assert parse_method("eagle-b4", None, heads).speculative_config == {
+        "method": "eagle", "model": "e", "num_speculative_tokens": "auto", "draft_tree_branching": 4}
+    with pytest.raises(ValueError):
+        parse_method("ngram-b4", None)
     from specdecode.bench.report import _family
 
     assert _family("eagle-w2-k4", {"draft_tree_width": 2}) == "EAGLE-style head, tree of width 2"
     assert _family("eagle", {}) == "EAGLE-style head, dynamic tree"
+    assert _family("eagle-w10-b8-k6", {"draft_tree_width": 10, "draft_tree_branching": 8}) == (
+        "EAGLE-style head, tree of width 10, top-8 expansion")
     with pytest.raises(ValueError, match="--head"):
         parse_method("medusa", "d", {"eagle": "e"})
     with pytest.raises(ValueError):

@@ -195,6 +195,8 @@ def test_training_starts_from_a_saved_head(tiny_llama_dir: Path, tiny_features, 
     tuned_opts.max_steps = 2
     moved = train_head(target, shards, tmp_path / "tuned", tuned_opts, always_ids=[2])  # resumes its checkpoint
     assert moved.config.training["steps"] == 2
+    assert moved.config.training["init_from_training"]["steps"] == 3  # the run it started from, on record
+    assert json.loads((tmp_path / "tuned" / "training.json").read_text())["init_from_training"]["steps"] == 3
     assert not torch.equal(moved.saved_state()["fc.weight"], same.saved_state()["fc.weight"])
 
 

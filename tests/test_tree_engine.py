@@ -93,3 +93,16 @@ def test_tree_with_lookup_branch_equals_plain(plain_tiny, tiny_llama_dir: Path, 
     # The drafter's calibration counts only what its own nodes got accepted, not the guess's run.
     value = llm.decoder.proposer.tree_value
     assert value is not None and value.accepted < 0.25 * value.predicted + 1.0
+
+
+def test_tree_branching_defaults_per_method() -> None:
+    """EAGLE expands each node into its top 4 tokens by default, the others into 2; a set value wins; bad ones
+    are refused at start-up."""
+    from specdecode.config import SpeculativeConfig
+
+    assert SpeculativeConfig.from_any({"method": "eagle"}).tree_branching == 4
+    assert SpeculativeConfig.from_any({"method": "medusa"}).tree_branching == 2
+    assert SpeculativeConfig.from_any({"method": "draft", "model": "d"}).tree_branching == 2
+    assert SpeculativeConfig.from_any({"method": "eagle", "draft_tree_branching": 3}).tree_branching == 3
+    with pytest.raises(ValueError, match="draft_tree_branching"):
+        SpeculativeConfig.from_any({"method": "eagle", "draft_tree_branching": 9})

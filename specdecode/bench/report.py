@@ -104,6 +104,9 @@ def _family(method: str, config: dict[str, Any] | None) -> str:
         width = (config or {}).get("draft_tree_width")
         tree = width != 1 if kind != "draft" else width not in (None, 1)
         name += (f", tree of width {width}" if width and width > 1 else ", dynamic tree") if tree else ", chain"
+        branching = (config or {}).get("draft_tree_branching")
+        if tree and branching:
+            name += f", top-{branching} expansion"
     return name + (f", {quant} target" if quant else "")
 
 

@@ -120,15 +120,15 @@ class LLM:
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device)
             convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
             draft_model = self.draft.model
-            width, branching = spec.tree_width, spec.draft_tree_branching
+            width, branching = spec.tree_width, spec.tree_branching
             self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len, width, branching,
                                                                lookup)
         elif isinstance(self.head, EagleHead):
-            head, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
+            head, width, branching = self.head, spec.tree_width, spec.tree_branching
             columns = spec.head_prompt_tokens
             self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching, columns)
         elif isinstance(self.head, MedusaHeads):
-            medusa, width, branching = self.head, spec.tree_width, spec.draft_tree_branching
+            medusa, width, branching = self.head, spec.tree_width, spec.tree_branching
             columns = spec.head_prompt_tokens
             self.proposer_factory = lambda: MedusaProposer(medusa, width, branching, columns)
         elif spec is not None:

@@ -43,6 +43,9 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-heads", type=int, default=4, help="Medusa heads")
     p.add_argument("--unroll-steps", type=int, default=1,
                    help="EAGLE: training steps that feed the head its own predicted features (default 1)")
+    p.add_argument("--ce-weight", type=float, default=0.1,
+                   help="EAGLE: weight of the token cross-entropy against the feature regression (default 0.1, "
+                        "EAGLE-1's)")
     p.add_argument("--normalize-regression", action="store_true",
                    help="EAGLE: scale the feature regression per dimension by its spread in the data")
     p.add_argument("--init-from", type=Path, default=None, metavar="HEAD_DIR",
@@ -146,7 +149,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     opts = TrainOptions(kind=args.kind, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab,
                         intermediate_size=args.intermediate_size, num_medusa_heads=args.num_heads,
                         budget_minutes=args.budget_minutes, unroll_steps=args.unroll_steps,
-                        normalize_regression=args.normalize_regression,
+                        normalize_regression=args.normalize_regression, ce_weight=args.ce_weight,
                         init_from=str(args.init_from) if args.init_from else None)
     always = [i for i in (tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)]
     always = [i for i in always if 0 <= i < target.config.vocab_size]
