@@ -13,7 +13,7 @@ _METHOD_RE = re.compile(
 METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
                "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default), -wN a tree "
                "keeping N nodes per level (e.g. eagle-w2-k4: at most 8 nodes, like the chain eagle-chain-k8), -bN "
-               "expanding each tree node into its top N tokens (default 2); "
+               "expanding each tree node into its top N tokens (default 4 for eagle, 2 otherwise); "
                "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; -promptvocab (eagle, medusa) "
                "also drafts the prompt's tokens the head's vocabulary lacks (head_prompt_tokens); "
                ":LABEL uses the head given as --head LABEL=DIR (eagle:v4; compares heads in one run); "

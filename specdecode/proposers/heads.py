@@ -32,13 +32,14 @@ class EagleProposer:
     name = "eagle"
     wants_target_hidden = True
 
-    def __init__(self, head: EagleHead, max_len: int, tree_width: int = 0, tree_branching: int = 2,
+    def __init__(self, head: EagleHead, max_len: int, tree_width: int = 0, tree_branching: int = 4,
                  prompt_columns: bool = True) -> None:
         self.head = head
         self.columns = HeadColumns(head, prompt_columns)
         self.tree_width = tree_width
         """Nodes kept per level; 0 = node_budget / depth."""
         self.tree_branching = tree_branching
+        """Top-b expansion per node; 4 = SpeculativeConfig.tree_branching's default for "eagle"."""
         self.node_budget = DEFAULT_NODE_BUDGET
         self.tree_value: TreeValue | None = None
         """Set by the engine once it measured its forwards (which also resets and feeds it per request):
