@@ -189,6 +189,10 @@ def test_training_starts_from_a_saved_head(tiny_llama_dir: Path, tiny_features, 
                               max_steps=0, init_from=str(tmp_path / "base"))
     same = train_head(target, shards, tmp_path / "tuned", tuned_opts, always_ids=[2])  # no steps: the start
     assert same.config.intermediate_size == 96 and torch.equal(same.d2t, base.d2t)
+    tuned_opts.draft_vocab_first = 5  # --draft-vocab-first widens the starting head's vocabulary
+    wide = train_head(target, shards, tmp_path / "wide", tuned_opts, always_ids=[2])
+    assert wide.d2t.tolist() == sorted(set(base.d2t.tolist()) | {0, 1, 2, 3, 4})
+    tuned_opts.draft_vocab_first = 0
     saved = load_head(tmp_path / "base", target, dtype=torch.float32).saved_state()
     for name, value in same.saved_state().items():
         assert torch.allclose(value.float(), saved[name].float()), name

@@ -39,6 +39,9 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=32768, help="output rows of the head (most frequent ids)")
+    p.add_argument("--draft-vocab-first", type=int, default=0, metavar="N",
+                   help="also give the tokenizer's lowest N ids output rows (its most frequent pieces: common words "
+                        "the training data lacks; default 0 = none; widens an --init-from head's too)")
     p.add_argument("--intermediate-size", type=int, default=None, help="EAGLE MLP width (default 2 x hidden)")
     p.add_argument("--num-heads", type=int, default=4, help="Medusa heads")
     p.add_argument("--unroll-steps", type=int, default=1,
@@ -50,7 +53,7 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
                    help="EAGLE: scale the feature regression per dimension by its spread in the data")
     p.add_argument("--init-from", type=Path, default=None, metavar="HEAD_DIR",
                    help="fine-tune this saved head (same kind and target) instead of starting from random weights; "
-                        "its draft vocabulary and sizes are kept")
+                        "its sizes and draft vocabulary are kept (the latter widened by --draft-vocab-first)")
     p.add_argument("--budget-minutes", type=float, default=None, help="stop training after this long (resumable)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.set_defaults(func=run_train_head)
@@ -147,6 +150,7 @@ def run_train_head(args: argparse.Namespace) -> int:
         return 0
     target = load_model(args.target, "bf16").model
     opts = TrainOptions(kind=args.kind, epochs=args.epochs, lr=args.lr, draft_vocab_size=args.draft_vocab,
+                        draft_vocab_first=args.draft_vocab_first,
                         intermediate_size=args.intermediate_size, num_medusa_heads=args.num_heads,
                         budget_minutes=args.budget_minutes, unroll_steps=args.unroll_steps,
                         normalize_regression=args.normalize_regression, ce_weight=args.ce_weight,

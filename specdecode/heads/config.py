@@ -18,8 +18,9 @@ class HeadConfig:
     """Fingerprint of the target (see fingerprint.py); a head is refused on any other model."""
     hidden_size: int
     draft_vocab_size: int
-    """Rows of the head's output matrix: the most frequent target tokens (the full matrix would dominate
-    a head's cost on a CPU). Each row is the target's own output row for that token."""
+    """Rows of the head's output matrix: the target tokens most frequent in its training data, optionally
+    with the tokenizer's lowest ids (heads/vocab.py; the full matrix would dominate a head's cost on a CPU).
+    Each row is the target's own output row for that token."""
     intermediate_size: int = 0
     """EAGLE: MLP width of its decoder layer."""
     num_heads: int = 0

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from specdecode.heads.features import Shard, load_shard, progress_bar
 from specdecode.heads.modules import DraftHead, EagleHead, MedusaHeads
 from specdecode.heads.persist import load_head, new_head, save_head
+from specdecode.heads.vocab import choose_draft_vocab, widen_draft_vocab
 from specdecode.model.transformer import Transformer
 
 CHECKPOINT = "checkpoint.pt"
@@ -39,6 +40,9 @@ class TrainOptions:
     lr: float = 1e-3
     warmup_steps: int = 30
     draft_vocab_size: int = 32768
+    draft_vocab_first: int = 0
+    """Also give the tokenizer's lowest ids [0, N) output rows (see heads/vocab.py); a fine-tuned head's
+    vocabulary is widened the same way."""
     intermediate_size: int | None = None
     num_medusa_heads: int = 4
     feature_noise: float = 0.1
@@ -79,14 +83,6 @@ class Corpus:
                     windows.append((offset + w, offset + min(b, w + window + 1)))  # +1: the shifted target
             offset += len(s.tokens)
         return cls(hidden, tokens, target_next, windows)
-
-
-def choose_draft_vocab(target_next: torch.Tensor, vocab_size: int, size: int, always: list[int]) -> torch.Tensor:
-    """The `size` ids the target most often predicts (plus `always`, e.g. EOS), sorted: [Vd]."""
-    counts = torch.bincount(target_next, minlength=vocab_size).float()
-    counts[always] = float("inf")
-    size = min(size, vocab_size)
-    return counts.topk(size).indices.sort().values
 
 
 def window_batch(corpus: Corpus, picks: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
@@ -180,9 +176,9 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
     if ckpt:
         d2t = ckpt["d2t"]
     elif init is not None:
-        d2t = init.d2t.cpu()
+        d2t = widen_draft_vocab(init.d2t, opts.draft_vocab_first, vocab)
     else:
-        d2t = choose_draft_vocab(corpus.target_next, vocab, opts.draft_vocab_size, always_ids)
+        d2t = choose_draft_vocab(corpus.target_next, vocab, opts.draft_vocab_size, always_ids, opts.draft_vocab_first)
     sizes = init.config if init is not None else None  # a fine-tuned head keeps its starting head's shape
     # A fine-tuned head's record keeps the chain of runs behind it (each one's options, steps and data).
     init_training = dict(init.config.training) if init is not None and init.config.training else None
