@@ -189,9 +189,12 @@ def test_training_starts_from_a_saved_head(tiny_llama_dir: Path, tiny_features, 
                               max_steps=0, init_from=str(tmp_path / "base"))
     same = train_head(target, shards, tmp_path / "tuned", tuned_opts, always_ids=[2])  # no steps: the start
     assert same.config.intermediate_size == 96 and torch.equal(same.d2t, base.d2t)
-    tuned_opts.draft_vocab_first = 5  # --draft-vocab-first widens the starting head's vocabulary
+    vocab = target.config.vocab_size
+    assert len(base.d2t) < vocab
+    tuned_opts.draft_vocab_first = vocab  # --draft-vocab-first widens the starting head's vocabulary
     wide = train_head(target, shards, tmp_path / "wide", tuned_opts, always_ids=[2])
-    assert wide.d2t.tolist() == sorted(set(base.d2t.tolist()) | {0, 1, 2, 3, 4})
+    assert wide.d2t.tolist() == list(range(vocab))
+    assert torch.equal(wide.saved_state()["fc.weight"], same.saved_state()["fc.weight"])  # same weights
     tuned_opts.draft_vocab_first = 0
     saved = load_head(tmp_path / "base", target, dtype=torch.float32).saved_state()
     for name, value in same.saved_state().items():
@@ -348,3 +351,24 @@ def test_written_requests_are_cached_and_resumed(tiny_llama_dir: Path, tmp_path:
     assert len(path.read_text().splitlines()) == 4 and all(r in again for r in first)
     fresh = written_requests(llm, 3, tmp_path / "fresh.jsonl", batch=1, max_tokens=24)  # one at a time, same seeds
     assert fresh == first
+
+
+def test_saved_texts_seed_the_data_directory(tmp_path: Path) -> None:
+    """The repository's saved requests and answers are copied into a data directory that lacks them; files
+    already there are never overwritten (a longer cached run keeps its own)."""
+    from specdecode.heads.cli import seed_data_dir
+
+    saved = tmp_path / "saved" / "my-target"
+    saved.mkdir(parents=True)
+    (saved / "written-requests-8.jsonl").write_text('{"seed": 0}\n')
+    (saved / "self-answers-written-8.jsonl").write_text('{"a": 1}\n')
+    (saved / "notes.md").write_text("not data")
+    data = tmp_path / "cache" / "my-target"
+    data.mkdir(parents=True)
+    (data / "self-answers-written-8.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
+    copied = seed_data_dir(data, "/models/my-target", saved=tmp_path / "saved")
+    assert copied == [data / "written-requests-8.jsonl"]
+    assert (data / "written-requests-8.jsonl").read_text() == '{"seed": 0}\n'
+    assert (data / "self-answers-written-8.jsonl").read_text().count("\n") == 2  # untouched
+    assert not (data / "notes.md").exists()
+    assert seed_data_dir(data, "other-target", saved=tmp_path / "saved") == []

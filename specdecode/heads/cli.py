@@ -62,7 +62,33 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
 def default_data_dir(target: str) -> Path:
     from specdecode.fetch import models_home
 
-    return models_home() / "head-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(target).name)
+    return models_home() / "head-data" / _data_name(target)
+
+
+def _data_name(target: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(target).name)
+
+
+SAVED_TEXTS = Path(__file__).resolve().parents[2] / "data" / "head-training"
+"""Texts the target wrote in earlier runs (its requests and answers, JSONL), kept with the repository: making
+them takes hours on 2 cores, and the cache does not outlive a machine. Features are always recomputed."""
+
+
+def seed_data_dir(data_dir: Path, target: str, saved: Path = SAVED_TEXTS) -> list[Path]:
+    """Copy the saved texts of this target that the data directory lacks; the stages that read them resume
+    from what is there. Returns the files copied."""
+    import shutil
+
+    source = saved / _data_name(target)
+    if not source.is_dir():
+        return []
+    data_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(source.glob("*.jsonl")):
+        if not (data_dir / path.name).exists():
+            shutil.copyfile(path, data_dir / path.name)
+            copied.append(data_dir / path.name)
+    return copied
 
 
 def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint: dict,
@@ -131,6 +157,8 @@ def run_train_head(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     data_dir = args.data_dir or default_data_dir(args.target)
+    for path in seed_data_dir(data_dir, args.target):
+        print(f"using the repository's saved texts: {path}")
     loaded = load_model(args.target, "bf16")
     fingerprint = target_fingerprint(loaded.model)
     tok = loaded.tokenizer

@@ -185,7 +185,7 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
     head = new_head(target, opts.kind, d2t, sizes.intermediate_size if sizes else opts.intermediate_size,
                     sizes.num_medusa_heads if sizes else opts.num_medusa_heads, opts.seed).float()
     if init is not None and not ckpt:
-        head.load_state_dict({k: v.float() for k, v in init.saved_state().items()}, strict=False)
+        head.load_state_dict({k: v.float() for k, v in init.saved_state().items() if k != "d2t"}, strict=False)
     del init
     head.lm_head.weight.data = head.lm_head.weight.data.float()
     t2d = torch.full((vocab,), -1, dtype=torch.long)
