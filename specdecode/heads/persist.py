@@ -19,13 +19,18 @@ CONFIG = "config.json"
 def save_head(head: DraftHead, out_dir: Path, dtype: torch.dtype | None = None) -> None:
     """dtype: cast floating weights (e.g. bf16 to halve the file; a head's precision never changes the
     output, only how often its guesses are accepted)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
              for k, v in head.saved_state().items()}
+    write_head_files(state, head.config, out_dir)
+
+
+def write_head_files(state: dict[str, torch.Tensor], cfg: HeadConfig, out_dir: Path) -> None:
+    """The weights file (written aside, then renamed: never half a file) and the config."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / (WEIGHTS + ".partial")
-    save_file(state, str(tmp), metadata={"kind": head.config.kind})
+    save_file(state, str(tmp), metadata={"kind": cfg.kind})
     tmp.rename(out_dir / WEIGHTS)
-    (out_dir / CONFIG).write_text(json.dumps(head.config.to_dict(), indent=1))
+    (out_dir / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
 
 
 def read_head_config(path: Path) -> HeadConfig:

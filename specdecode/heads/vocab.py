@@ -21,9 +21,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from specdecode.heads.persist import CONFIG, WEIGHTS, read_head_config
+from specdecode.heads.persist import WEIGHTS, read_head_config, write_head_files
 
 
 def choose_draft_vocab(target_next: torch.Tensor, vocab_size: int, size: int, always: list[int],
@@ -57,11 +57,7 @@ def widen_head(src: Path, dst: Path, first_ids: int) -> int:
     cfg.draft_vocab_size = int(state["d2t"].numel())
     cfg.training = {**cfg.training, "widened_draft_vocab": {"first_ids": first_ids, "from": before,
                                                              "to": cfg.draft_vocab_size}}
-    dst.mkdir(parents=True, exist_ok=True)
-    tmp = dst / (WEIGHTS + ".partial")
-    save_file(state, str(tmp), metadata={"kind": cfg.kind})
-    tmp.rename(dst / WEIGHTS)
-    (dst / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
+    write_head_files(state, cfg, dst)
     (dst / "training.json").write_text(json.dumps(cfg.training, indent=1))  # as train_head writes it
     return cfg.draft_vocab_size
 
