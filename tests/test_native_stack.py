@@ -118,3 +118,27 @@ def test_stack_writes_through_a_row_view_of_a_larger_cache() -> None:
         caches.append(owner)
     assert torch.equal(out[0], out[1])
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+@pytest.mark.parametrize("layers", [(0, 2), (1, 3), (0, 1, 2, 3)])
+def test_stack_captures_the_layers_a_fused_head_reads(layers: tuple[int, ...]) -> None:
+    """With capture layers the stack runs in stretches between them; output, caches and the captured residual
+    streams [B, T, len * D] are the module-by-module forward's bits (layer 3 = after the last of 3)."""
+    model = random_model(seed=3)
+    convert_linears(model, "bf16")
+    model.capture_layers = layers
+    tokens, positions = torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([[12, 13, 14], [12, 13, 14]])
+    captured = []
+    for use_stack in (True, False):
+        native_stack.set_enabled(model, use_stack)
+        cache = model.new_cache(2, 64)
+        model(torch.ones(2, 12, dtype=torch.long), torch.arange(12).expand(2, 12), cache)
+        out = model(tokens, positions, cache)
+        captured.append((out, model.captured, cache.k.clone()))
+    native_stack.set_enabled(model, True)
+    (a, ca, ka), (b, cb, kb) = captured
+    assert ca.shape == (2, 3, 128 * len(layers))
+    assert torch.equal(a, b) and torch.equal(ca, cb) and torch.equal(ka, kb)
+    model.capture_layers = ()
+    plain = model(tokens, positions, model.new_cache(2, 64))
+    assert model.captured is None and plain.shape == a.shape

@@ -166,11 +166,11 @@ class BatchEngine:
         dev = self.target.device
         ids = torch.tensor([seq.token_ids], device=dev)
         pos = torch.arange(len(seq.token_ids), device=dev).unsqueeze(0)
-        hidden = self.target(ids, pos, view)[0]  # [P, D]
-        logits = self.target.compute_logits(hidden[-1:])
+        hidden = self.target(ids, pos, view)  # [1, P, D]
+        logits = self.target.compute_logits(hidden[0, -1:])
         self.cache.set_length(row, seq.prompt_len)
         start_sequence(seq, logits, proposer, t0)
-        share_hidden(proposer, hidden)
+        share_hidden(proposer, self.target, hidden, (0,))
 
     def _release(self, row: int) -> None:
         last = len(self.running) - 1
@@ -254,7 +254,7 @@ class BatchEngine:
             seq = r.seq
             out, accepted = verify_draft(seq, logits[i, : len(d) + 1], d)
             self.cache.set_length(i, len(seq.token_ids) + accepted)
-            share_hidden(r.proposer, hidden[i, : accepted + 1])
+            share_hidden(r.proposer, self.target, hidden, (i, slice(0, accepted + 1)))
             emitted = 0
             for tok in out:
                 seq.append(tok)

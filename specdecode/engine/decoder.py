@@ -59,23 +59,23 @@ class SpeculativeDecoder:
     # ---- one target forward over [pending token] + draft ------------------------------------
 
     def _forward(self, tokens: list[int], start: int, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the target over tokens at positions start..: hidden [T, D] and fp32 logits [T, V]
+        """Run the target over tokens at positions start..: hidden [1, T, D] and fp32 logits [T, V]
         ([1, V] if last_only)."""
         dev = self.target.device
         ids = torch.tensor([tokens], device=dev)
         pos = torch.arange(start, start + len(tokens), device=dev).unsqueeze(0)
-        hidden = self.target(ids, pos, self.cache)[0]
+        hidden = self.target(ids, pos, self.cache)
         # A prompt needs only its last position's logits: the output matrix is the largest one.
-        return hidden, self.target.compute_logits(hidden[-1:] if last_only else hidden)
+        return hidden, self.target.compute_logits(hidden[0, -1:] if last_only else hidden[0])
 
     def prefill(self, seq: Sequence) -> None:
         """Process the prompt, emit the first token, start the proposer."""
         t0 = time.perf_counter()  # timing starts here, not when generate() validated the whole batch
         self.cache.reset()
-        hidden, logits = self._forward(seq.token_ids, 0, last_only=True)  # [P, D], [1, V]
+        hidden, logits = self._forward(seq.token_ids, 0, last_only=True)  # [1, P, D], [1, V]
         self.cache.set_length(0, seq.prompt_len)
         start_sequence(seq, logits, self.proposer, t0)
-        share_hidden(self.proposer, hidden)
+        share_hidden(self.proposer, self.target, hidden, (0,))
 
     def step(self, seq: Sequence, k: int) -> StepResult:
         """Propose k tokens, verify them in one target forward, roll the cache back to what was kept."""
@@ -92,9 +92,9 @@ class SpeculativeDecoder:
             accepted = len(nodes)
             own = sum(1 for i in nodes if i <= drafted)
         else:
-            hidden, logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [k+1, D], [k+1, V]
+            hidden, logits = self._forward([seq.token_ids[-1], *draft.tokens], n - 1)  # [1, k+1, D], [k+1, V]
             out, accepted = verify_draft(seq, logits, draft)
-            share_hidden(self.proposer, hidden[: accepted + 1])
+            share_hidden(self.proposer, self.target, hidden, (0, slice(0, accepted + 1)))
         # Kept: the pending token and the accepted drafts; the new token becomes pending.
         self.cache.set_length(0, n + accepted)
         return StepResult(out, len(draft), accepted, depth, t1 - t0, time.perf_counter() - t1, own)
@@ -117,7 +117,8 @@ class SpeculativeDecoder:
         logits = self.target.compute_logits(hidden[0])  # [N, V]
         out, nodes = verify_tree_draft(seq, logits, tokens, buffers)
         self.cache.compact(0, [n - 1 + i for i in nodes], n)
-        share_hidden(self.proposer, hidden[0, [0, *nodes]])  # the root (pending token) and the accepted path
+        # the root (pending token) and the accepted path
+        share_hidden(self.proposer, self.target, hidden, (0, [0, *nodes]))
         return out, nodes, buffers.max_depth
 
     # ---- the loop -------------------------------------------------------------------------------

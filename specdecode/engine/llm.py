@@ -100,6 +100,8 @@ class LLM:
                 raise ValueError(f'method "{spec.method}" needs "model": a head directory trained for {model!r} '
                                  "(`specdecode train-head`); no head ships for this target")
             self.head = load_head(str(head_dir), self.target.model, kind=spec.method)
+            if isinstance(self.head, EagleHead) and self.head.config.feature_layers:  # EAGLE-3 style head
+                self.target.model.capture_layers = tuple(self.head.config.feature_layers)
             convert_linears(self.head, draft_linear_format(spec.quantization, self.dtype, self.device))
         convert_linears(self.target.model, target_linear_format(quantization, self.dtype, self.device))
         self.draft: LoadedModel | None = None

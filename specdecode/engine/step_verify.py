@@ -10,6 +10,7 @@ import time
 import torch
 
 from specdecode.engine.sequence import Sequence
+from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
 from specdecode.tree import TreeBuffers
@@ -96,7 +97,10 @@ def verify_tree_draft(
     return out.tolist(), list(nodes)
 
 
-def share_hidden(proposer: Proposer | None, hidden: torch.Tensor) -> None:
-    """Head proposers (EAGLE, Medusa) read the target's features of the positions just kept [m, D]."""
+def share_hidden(proposer: Proposer | None, target: Transformer, hidden: torch.Tensor, index: tuple) -> None:
+    """Head proposers (EAGLE, Medusa) read the target's features of the positions just kept: `index` picks
+    them [m, .] from the forward's final-norm output hidden [B, T, D], or from the layers it captured for a
+    fused-feature head (`Transformer.captured` [B, T, k * D])."""
     if getattr(proposer, "wants_target_hidden", False):
-        proposer.observe_hidden(hidden)  # type: ignore[union-attr]
+        source = hidden if target.captured is None else target.captured
+        proposer.observe_hidden(source[index])  # type: ignore[union-attr]

@@ -49,6 +49,13 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ce-weight", type=float, default=0.1,
                    help="EAGLE: weight of the token cross-entropy against the feature regression (default 0.1, "
                         "EAGLE-1's)")
+    p.add_argument("--reg-weight", type=float, default=1.0,
+                   help="EAGLE: weight of the feature regression (default 1; EAGLE-3 trains on tokens alone: 0)")
+    p.add_argument("--feature-layers", default=None, metavar="LAYERS",
+                   help="EAGLE-3 style fused features: the head reads the target's residual stream entering these "
+                        "layers (comma-separated, or 'eagle3' = layers 2, L/2, L-3) instead of its final-norm hidden "
+                        "state; features are stored apart (data dir /layers-...), ~3x the disk. Default: those of "
+                        "--init-from, else none. Train with --unroll-steps >= 2")
     p.add_argument("--normalize-regression", action="store_true",
                    help="EAGLE: scale the feature regression per dimension by its spread in the data")
     p.add_argument("--init-from", type=Path, default=None, metavar="HEAD_DIR",
@@ -91,10 +98,16 @@ def seed_data_dir(data_dir: Path, target: str, saved: Path = SAVED_TEXTS) -> lis
     return copied
 
 
-def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint: dict,
+def feature_dir(data_dir: Path, layers: list[int]) -> Path:
+    """Where the features live: a fused-feature head's (captured layers too) apart from the others'."""
+    return data_dir / ("layers-" + "-".join(map(str, layers))) if layers else data_dir
+
+
+def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, layers: list[int], fingerprint: dict,
                            request_sets: dict[str, list[str]]) -> list[Path]:
     """The target's answers to each set of requests (cached in self-answers-<tag>.jsonl; a diverse set is
-    followed by back-translations of its translations, tag <tag>-back), then their features (self-<tag>)."""
+    followed by back-translations of its translations, tag <tag>-back), then their features (self-<tag>, in
+    feature_dir)."""
     import gc
 
     from specdecode import LLM
@@ -135,9 +148,11 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint
         del loaded
         convert_linears(target, target_linear_format("none", target.dtype, target.device))
     shards: list[Path] = []
+    target.capture_layers = tuple(layers)
     for tag, convs in answered.items():
         total = sum(len(conversation_ids(tokenizer, c)) for c in convs)
-        shards += generate_features(target, tokenizer, data_dir / f"self-{tag}", total, fingerprint=fingerprint,
+        shards += generate_features(target, tokenizer, feature_dir(data_dir, layers) / f"self-{tag}", total,
+                                    fingerprint=fingerprint,
                                     conversations=convs, source="self-distilled")
     del target, tokenizer
     gc.collect()  # free the answering engine (or the reloaded target) before training loads its own
@@ -147,8 +162,10 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, fingerprint
 def run_train_head(args: argparse.Namespace) -> int:
     import torch
 
+    from specdecode.heads.config import parse_feature_layers
     from specdecode.heads.features import generate_features
     from specdecode.heads.fingerprint import target_fingerprint
+    from specdecode.heads.persist import read_head_config
     from specdecode.heads.selfgen import diverse_requests, self_distill_requests
     from specdecode.heads.train import TrainOptions, train_head
     from specdecode.model.fast_linear import convert_linears, target_linear_format
@@ -162,9 +179,15 @@ def run_train_head(args: argparse.Namespace) -> int:
     loaded = load_model(args.target, "bf16")
     fingerprint = target_fingerprint(loaded.model)
     tok = loaded.tokenizer
+    if args.feature_layers is not None:
+        layers = parse_feature_layers(args.feature_layers, loaded.model.config.num_layers)
+    else:
+        layers = read_head_config(args.init_from).feature_layers if args.init_from else []
+    loaded.model.capture_layers = tuple(layers)
     # Stage 1 runs the target in its fast format; stage 2 needs the plain output matrix, so it reloads.
     convert_linears(loaded.model, target_linear_format("none", loaded.model.dtype, loaded.model.device))
-    shards = generate_features(loaded.model, tok, data_dir, args.data_tokens, fingerprint=fingerprint)
+    shards = generate_features(loaded.model, tok, feature_dir(data_dir, layers), args.data_tokens,
+                               fingerprint=fingerprint)
     del loaded
     request_sets = {}
     if args.self_distill > 0:
@@ -172,7 +195,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     if args.self_distill_diverse > 0:
         request_sets[f"diverse-{args.self_distill_diverse}"] = diverse_requests(args.self_distill_diverse)
     if request_sets or args.self_distill_written > 0:
-        shards += _self_distilled_shards(args, data_dir, fingerprint, request_sets)
+        shards += _self_distilled_shards(args, data_dir, layers, fingerprint, request_sets)
     if args.data_only:
         print(f"{len(shards)} shards of training data in {data_dir}")
         return 0
@@ -182,6 +205,7 @@ def run_train_head(args: argparse.Namespace) -> int:
                         intermediate_size=args.intermediate_size, num_medusa_heads=args.num_heads,
                         budget_minutes=args.budget_minutes, unroll_steps=args.unroll_steps,
                         normalize_regression=args.normalize_regression, ce_weight=args.ce_weight,
+                        reg_weight=args.reg_weight, feature_layers=layers,
                         init_from=str(args.init_from) if args.init_from else None)
     always = [i for i in (tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)]
     always = [i for i in always if 0 <= i < target.config.vocab_size]

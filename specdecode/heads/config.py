@@ -31,6 +31,10 @@ class HeadConfig:
     attention_bias: bool = False
     num_medusa_heads: int = 0
     """Medusa: heads predicting tokens 2.. ahead of the target's own next token."""
+    feature_layers: list[int] = field(default_factory=list)
+    """EAGLE: empty = the head reads the target's final-norm hidden state (EAGLE-1/2). Else the target's
+    residual stream entering each of these layers (ascending; num_layers = after the last), concatenated and
+    fused by one linear into the head's input feature (EAGLE-3's low, middle and high features)."""
     training: dict[str, Any] = field(default_factory=dict)
     """How it was trained (data, steps, losses): informative only."""
 
@@ -53,13 +57,40 @@ class HeadConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+def eagle3_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's choice of low, middle and high features: the inputs of layers 2, L/2 and L-3."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3)})
+
+
+def parse_feature_layers(text: str, num_layers: int) -> list[int]:
+    """`--feature-layers`: "" (final-norm feature), "eagle3", or layer indices "2,14,25"; checked against the
+    target's layer count."""
+    if not text:
+        return []
+    if text == "eagle3":
+        return eagle3_layers(num_layers)
+    try:
+        layers = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--feature-layers {text!r}: expected eagle3 or comma-separated layer indices") from None
+    check_feature_layers(layers, num_layers)
+    return layers
+
+
+def check_feature_layers(layers: list[int], num_layers: int) -> None:
+    if layers != sorted(set(layers)) or any(not 0 <= i <= num_layers for i in layers):
+        raise ValueError(f"feature layers {layers} must be ascending, distinct and within 0..{num_layers} "
+                         f"(the target has {num_layers} layers; {num_layers} = after the last)")
+
+
 def eagle_config(target_cfg: ModelConfig, fingerprint: dict[str, Any], draft_vocab_size: int,
-                 intermediate_size: int | None = None) -> HeadConfig:
+                 intermediate_size: int | None = None, feature_layers: list[int] | None = None) -> HeadConfig:
     return HeadConfig(
         kind="eagle", target=fingerprint, hidden_size=target_cfg.hidden_size, draft_vocab_size=draft_vocab_size,
         intermediate_size=intermediate_size or 2 * target_cfg.hidden_size, num_heads=target_cfg.num_heads,
         num_kv_heads=target_cfg.num_kv_heads, head_dim=target_cfg.head_dim, rope_theta=target_cfg.rope_theta,
         rms_norm_eps=target_cfg.rms_norm_eps, attention_bias=target_cfg.attention_bias,
+        feature_layers=list(feature_layers or []),
     )
 
 

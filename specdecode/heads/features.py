@@ -1,7 +1,7 @@
-"""Stage 1 of head training: run the target over training conversations and store what a head learns
-from — the target's final-norm hidden state at every position, the token there, and the target's
-greedy next token — in safetensors shards. Shards are written atomically and skipped when present,
-so an interrupted run resumes where it stopped.
+"""Stage 1 of head training: run the target over training conversations and store what a head learns from — the
+target's final-norm hidden state at every position (and, for a fused-feature head, the layers the target
+captures), the token there, and the target's greedy next token — in safetensors shards. Shards are written
+atomically and skipped when present, so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Shard:
     tokens: torch.Tensor  # [N] token at each position (int64)
     target_next: torch.Tensor  # [N] target's argmax next token after each position (int64)
     starts: torch.Tensor  # [S + 1] offsets of each conversation in the shard
+    aux: torch.Tensor | None = None  # [N, k * D] the target's captured layers (Transformer.capture_layers), bf16
 
     def sequences(self) -> list[tuple[int, int]]:
         s = self.starts.tolist()
@@ -47,7 +48,7 @@ class Shard:
 
 def load_shard(path: Path) -> Shard:
     t = load_file(str(path))
-    return Shard(t["hidden"], t["tokens"].long(), t["target_next"].long(), t["starts"].long())
+    return Shard(t["hidden"], t["tokens"].long(), t["target_next"].long(), t["starts"].long(), t.get("aux"))
 
 
 def conversation_ids(tokenizer: Tokenizer, messages: Messages) -> list[int]:
@@ -56,15 +57,17 @@ def conversation_ids(tokenizer: Tokenizer, messages: Messages) -> list[int]:
 
 
 @torch.inference_mode()
-def target_features(target: Transformer, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden [T, D] and the target's argmax next token [T] over one sequence."""
+def target_features(target: Transformer, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Hidden [T, D], the target's argmax next token [T] and its captured layers [T, k * D] (None unless it
+    captures some) over one sequence."""
     cache = target.new_cache(1, len(ids))
     tokens = torch.tensor([ids], device=target.device)
     positions = torch.arange(len(ids), device=target.device)[None]
     hidden = target(tokens, positions, cache)[0]  # [T, D]
     nxt = torch.cat([target.compute_logits(hidden[i : i + LOGIT_CHUNK]).argmax(-1)
                      for i in range(0, len(ids), LOGIT_CHUNK)])
-    return hidden.cpu(), nxt.cpu()
+    aux = None if target.captured is None else target.captured[0].cpu()
+    return hidden.cpu(), nxt.cpu(), aux
 
 
 def shard_paths(out_dir: Path) -> list[Path]:
@@ -89,6 +92,8 @@ def generate_features(
     meta_path = out_dir / "features.json"
     meta = {"seed": seed, "shard_tokens": shard_tokens, "max_seq_tokens": MAX_SEQ_TOKENS, "target": fingerprint,
             "source": source}
+    if target.capture_layers:
+        meta["capture_layers"] = list(target.capture_layers)
     if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
         raise ValueError(f"{out_dir} holds features made with other settings or another target; use a new --out")
     meta_path.write_text(json.dumps(meta, indent=1))
@@ -115,11 +120,13 @@ def generate_features(
             bar.update(total)
             continue
         t0 = time.perf_counter()
-        hiddens, nexts = [], []
+        hiddens, nexts, auxes = [], [], []
         for ids in batch:
-            h, n = target_features(target, ids)
+            h, n, aux = target_features(target, ids)
             hiddens.append(h.to(torch.bfloat16))
             nexts.append(n)
+            if aux is not None:
+                auxes.append(aux.to(torch.bfloat16))
             bar.update(len(ids))
         starts = torch.tensor([0, *torch.tensor([len(b) for b in batch]).cumsum(0).tolist()])
         tensors = {
@@ -128,6 +135,8 @@ def generate_features(
             "target_next": torch.cat(nexts).to(torch.int32),
             "starts": starts.to(torch.int64),
         }
+        if auxes:
+            tensors["aux"] = torch.cat(auxes).contiguous()
         tmp = path.with_suffix(".partial")
         save_file(tensors, str(tmp))
         tmp.rename(path)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.heads.config import HeadConfig
+from specdecode.heads.config import HeadConfig, check_feature_layers
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import DecoderLayer, RMSNorm, Transformer, attention_inputs, rope_tables
 
@@ -130,10 +130,26 @@ class EagleHead(DraftHead):
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__(cfg)
         d = cfg.hidden_size
+        # EAGLE-3 style: the target's low/middle/high residual streams [.., k * D] -> the head's input feature.
+        self.fuse = nn.Linear(len(cfg.feature_layers) * d, d, bias=False) if cfg.feature_layers else None
         self.fc = nn.Linear(2 * d, d, bias=True)
         self.layer = DecoderLayer(cfg.layer_config(), 0)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def attach(self, target: Transformer) -> EagleHead:
+        super().attach(target)
+        if self.config.feature_layers:
+            try:
+                check_feature_layers(self.config.feature_layers, target.config.num_layers)
+            except ValueError as e:
+                raise IncompatibleHeadError(f"this head's {e}") from None
+        return self
+
+    def input_features(self, target_features: torch.Tensor) -> torch.Tensor:
+        """What the target hands over [..., D] (final-norm) or [..., k * D] (captured layers) -> the feature the
+        head pairs with the next token [..., D]."""
+        return target_features if self.fuse is None else self.fuse(target_features)
 
     def new_cache(self, max_len: int) -> KVCache:
         c = self.config

@@ -59,14 +59,15 @@ def load_head(path: str | Path, target: Transformer, kind: str | None = None,
 
 
 def new_head(target: Transformer, kind: str, d2t: torch.Tensor, intermediate_size: int | None = None,
-             num_medusa_heads: int = 4, seed: int = 0) -> DraftHead:
-    """A freshly initialised fp32 head for this target over the draft vocabulary d2t [Vd] (sorted ids)."""
+             num_medusa_heads: int = 4, seed: int = 0, feature_layers: list[int] | None = None) -> DraftHead:
+    """A freshly initialised fp32 head for this target over the draft vocabulary d2t [Vd] (sorted ids);
+    feature_layers: an EAGLE head fusing those layers of the target (HeadConfig.feature_layers)."""
     from specdecode.heads.config import eagle_config, medusa_config
     from specdecode.heads.fingerprint import target_fingerprint
 
     fp = target_fingerprint(target)
     if kind == "eagle":
-        cfg = eagle_config(target.config, fp, len(d2t), intermediate_size)
+        cfg = eagle_config(target.config, fp, len(d2t), intermediate_size, feature_layers)
     elif kind == "medusa":
         cfg = medusa_config(target.config, fp, len(d2t), num_medusa_heads)
     else:

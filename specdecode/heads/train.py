@@ -3,6 +3,8 @@
 EAGLE (pair j = feature j + token j+1 -> feature j+1): smooth-L1 regression on the target's next
 feature plus 0.1 x cross-entropy against the target's greedy next token, with small uniform noise on
 the input features so the head tolerates its own imperfect predictions while drafting (as in EAGLE).
+A fused-feature head (EAGLE-3 style) reads the target's captured layers through its `fuse` linear at the
+first step and its own predictions after it, so it needs `unroll_steps` >= 2 to learn the second kind.
 Medusa (feature t -> token t+2+i for head i): cross-entropy against the target's greedy tokens.
 
 Checkpoints (weights, optimizer, step, RNG) are written every `checkpoint_every` steps and at the end;
@@ -48,6 +50,11 @@ class TrainOptions:
     feature_noise: float = 0.1
     """Uniform noise amplitude on input features, relative to their standard deviation."""
     ce_weight: float = 0.1
+    reg_weight: float = 1.0
+    """EAGLE: weight of the feature regression (EAGLE-3 drops it: 0 trains on the tokens alone)."""
+    feature_layers: list[int] | None = None
+    """EAGLE: the target layers a fused-feature head reads (HeadConfig.feature_layers); None = those of
+    `init_from` (none for a new head). The shards must hold those layers (`Shard.aux`)."""
     unroll_steps: int = 1
     """EAGLE: training steps that feed the head its own predicted features (1 = teacher forcing only). From
     scratch, 2 measured no better (τ 1.62 vs 1.59 on 5 HumanEval prompts); as fine-tuning epochs on a trained
@@ -69,10 +76,20 @@ class Corpus:
     tokens: torch.Tensor  # [N]
     target_next: torch.Tensor  # [N]
     windows: list[tuple[int, int]]  # [start, end) ranges inside one conversation
+    aux: torch.Tensor | None = None  # [N, k * D] bf16: the target's captured layers, if the shards hold them
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        """What the head reads of the target at each position: [N, k * D] captured layers, else [N, D]."""
+        return self.hidden if self.aux is None else self.aux
 
     @classmethod
     def from_shards(cls, paths: list[Path], window: int) -> Corpus:
         shards: list[Shard] = [load_shard(p) for p in paths]
+        with_aux = {s.aux is not None for s in shards}
+        if len(with_aux) > 1:
+            raise ValueError("some feature shards hold the target's captured layers and some do not")
+        aux = torch.cat([s.aux for s in shards]) if with_aux == {True} else None  # type: ignore[misc]
         hidden = torch.cat([s.hidden for s in shards])
         tokens = torch.cat([s.tokens for s in shards])
         target_next = torch.cat([s.target_next for s in shards])
@@ -82,21 +99,22 @@ class Corpus:
                 for w in range(a, b - 2, window):
                     windows.append((offset + w, offset + min(b, w + window + 1)))  # +1: the shifted target
             offset += len(s.tokens)
-        return cls(hidden, tokens, target_next, windows)
+        return cls(hidden, tokens, target_next, windows, aux)
 
 
 def window_batch(corpus: Corpus, picks: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
     """Pad windows to one length: features, tokens, next features, labels, mask."""
     length = max(b - a for a, b in picks) - 1
     d = corpus.hidden.shape[1]
-    feats = torch.zeros(len(picks), length, d)
+    inputs = corpus.inputs
+    feats = torch.zeros(len(picks), length, inputs.shape[1])
     toks = torch.zeros(len(picks), length, dtype=torch.long)
     nxt_feats = torch.zeros(len(picks), length, d)
     labels = torch.zeros(len(picks), length, dtype=torch.long)
     mask = torch.zeros(len(picks), length, dtype=torch.bool)
     for row, (a, b) in enumerate(picks):
         n = b - a - 1
-        feats[row, :n] = corpus.hidden[a : b - 1].float()
+        feats[row, :n] = inputs[a : b - 1].float()
         toks[row, :n] = corpus.tokens[a + 1 : b]
         nxt_feats[row, :n] = corpus.hidden[a + 1 : b].float()
         labels[row, :n] = corpus.target_next[a + 1 : b]
@@ -115,7 +133,7 @@ def _eagle_step_loss(head: EagleHead, pred: torch.Tensor, nxt_feats: torch.Tenso
     keep = target_cls >= 0
     ce = (F.cross_entropy(logits, target_cls.clamp(min=0), reduction="none") * keep).sum() / keep.sum().clamp(min=1)
     acc = ((logits.argmax(-1) == target_cls) & keep).float().mean()
-    return reg + opts.ce_weight * ce, reg.item(), ce.item(), acc.item()
+    return opts.reg_weight * reg + opts.ce_weight * ce, reg.item(), ce.item(), acc.item()
 
 
 def eagle_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], t2d: torch.Tensor, opts: TrainOptions,
@@ -123,7 +141,8 @@ def eagle_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], t2d: torch.Tens
     """Step 1 on the target's (noisy) features; each further unrolled step feeds the previous step's
     predictions back as features, as drafting does (the head learns to continue from its own guesses)."""
     feats, toks, nxt_feats, labels, mask = batch
-    scale = feats[mask].std()
+    feats = head.input_features(feats)  # [B, T, D] (a fused head's fuse over the captured layers)
+    scale = feats[mask].std().detach()
     noisy = feats + (torch.rand(feats.shape, generator=gen) - 0.5) * 2 * opts.feature_noise * scale
     positions = torch.arange(feats.shape[1])[None].expand(feats.shape[0], -1)
     pred = head(noisy, toks, positions)  # [B, T, D]: predicted feature j+1 from (feature j, token j+1)
@@ -180,12 +199,22 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
     else:
         d2t = choose_draft_vocab(corpus.target_next, vocab, opts.draft_vocab_size, always_ids, opts.draft_vocab_first)
     sizes = init.config if init is not None else None  # a fine-tuned head keeps its starting head's shape
+    layers = opts.feature_layers if opts.feature_layers is not None else (sizes.feature_layers if sizes else [])
+    if layers and opts.kind != "eagle":
+        raise ValueError("feature layers are for EAGLE heads")
+    width = len(layers) * target.config.hidden_size if layers else target.config.hidden_size
+    if corpus.inputs.shape[1] != width:
+        raise ValueError(f"the feature shards hold {corpus.inputs.shape[1]} numbers a position but a head reading "
+                         f"layers {layers or 'final-norm'} needs {width}: generate features with those layers")
     # A fine-tuned head's record keeps the chain of runs behind it (each one's options, steps and data).
     init_training = dict(init.config.training) if init is not None and init.config.training else None
     head = new_head(target, opts.kind, d2t, sizes.intermediate_size if sizes else opts.intermediate_size,
-                    sizes.num_medusa_heads if sizes else opts.num_medusa_heads, opts.seed).float()
+                    sizes.num_medusa_heads if sizes else opts.num_medusa_heads, opts.seed, layers).float()
     if init is not None and not ckpt:
-        head.load_state_dict({k: v.float() for k, v in init.saved_state().items() if k != "d2t"}, strict=False)
+        # A head that starts fusing layers (or fuses others) learns its `fuse` from scratch.
+        state = {k: v.float() for k, v in init.saved_state().items()
+                 if k != "d2t" and not (k.startswith("fuse.") and layers != sizes.feature_layers)}  # type: ignore[union-attr]
+        head.load_state_dict(state, strict=False)
     del init
     head.lm_head.weight.data = head.lm_head.weight.data.float()
     t2d = torch.full((vocab,), -1, dtype=torch.long)

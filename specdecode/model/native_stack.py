@@ -164,8 +164,11 @@ def run(
     kv_len: int,
     mask: torch.Tensor | None,  # [B, 1, T, S] bool
     cache: KVCache,
-) -> torch.Tensor:
-    """x after every decoder layer (before the final norm), K/V written at the slots."""
+    capture: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """x after every decoder layer (before the final norm), K/V written at the slots; and a copy of x as it
+    enters each layer in `capture` (ascending; the layer count = after the last), one native call per stretch
+    between them."""
     lib = native_kernels._library()
     assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16
     cfg = model.config
@@ -176,8 +179,17 @@ def run(
     m = None if mask is None else mask.expand(b, 1, t, kv_len).contiguous()
     inter = stack.layers[0].down.k
     ls, sb, sh = cache.k.stride(0), cache.k.stride(1), cache.k.stride(2)
-    lib.decode_layers(x.data_ptr(), b, t, d, stack.layers, len(stack.layers), stack.eps, cos.data_ptr(),
-                      sin.data_ptr(), index.data_ptr(), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, inter,
-                      cache.k.data_ptr(), cache.v.data_ptr(), ls, sb, sh, kv_len, _ptr(m), cfg.head_dim**-0.5,
-                      torch.get_num_threads())
-    return x
+    kv_bytes = ls * cache.k.element_size()  # one layer's K (or V) cache
+    kept: list[torch.Tensor] = []
+    start = 0
+    for end in (*capture, len(stack.layers)):
+        if end > start:  # layers [start, end): their entries and caches begin `start` layers in
+            lib.decode_layers(x.data_ptr(), b, t, d, ctypes.addressof(stack.layers) + start * ctypes.sizeof(LayerEntry),
+                              end - start, stack.eps, cos.data_ptr(), sin.data_ptr(), index.data_ptr(), cfg.num_heads,
+                              cfg.num_kv_heads, cfg.head_dim, inter, cache.k.data_ptr() + start * kv_bytes,
+                              cache.v.data_ptr() + start * kv_bytes, ls, sb, sh, kv_len, _ptr(m),
+                              cfg.head_dim**-0.5, torch.get_num_threads())
+            start = end
+        if len(kept) < len(capture):
+            kept.append(x.clone())  # x is updated in place by the next stretch
+    return x, kept

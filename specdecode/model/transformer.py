@@ -273,6 +273,11 @@ class Transformer(nn.Module):
         self._native_stack: tuple[nn.Module, nn.Module, native_stack.NativeStack | None] | None = None
         """(first and last linear, the stack or None if this model cannot take it), built at the first few-row
         forward and again when a conversion has replaced the linears."""
+        self.capture_layers: tuple[int, ...] = ()
+        """Layers (ascending; num_layers = after the last) whose input every forward copies into `captured`:
+        the low, middle and high features a fused-feature (EAGLE-3 style) head reads."""
+        self.captured: torch.Tensor | None = None
+        """The last forward's residual stream entering each capture layer, concatenated [B, T, len * D]."""
 
     def fuse_projections(self) -> Transformer:
         """Fuse q/k/v and gate/up in every layer (after loading; state-dict names are HF's before)."""
@@ -318,11 +323,18 @@ class Transformer(nn.Module):
         )
         x = self.model.embed_tokens(tokens)
         stack = native_stack.stack_for(self, x, cache) if tokens.shape[1] <= EXACT_ATTENTION_TOKENS else None
+        caps = self.capture_layers
         if stack is not None:  # decode / verification on CPU: every layer in one native call, same bits
-            x = native_stack.run(self, stack, x.contiguous(), cos, sin, slots, kv_len, mask, cache)
+            x, kept = native_stack.run(self, stack, x.contiguous(), cos, sin, slots, kv_len, mask, cache, caps)
         else:
-            for layer in self.model.layers:
+            kept = []
+            for i, layer in enumerate(self.model.layers):
+                if i in caps:
+                    kept.append(x)
                 x = layer(x, cos, sin, cache, slots, kv_len, mask)
+            if len(self.model.layers) in caps:
+                kept.append(x)
+        self.captured = torch.cat(kept, dim=-1) if caps else None
         return self.model.norm(x)
 
     @torch.inference_mode()

@@ -60,9 +60,11 @@ class EagleProposer:
         self.columns.begin(seq.token_ids[: seq.prompt_len])
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
-        """Target features [m, D] of the next m positions (prompt at prefill, kept tokens after a step)."""
+        """Target features [m, D] of the next m positions (prompt at prefill, kept tokens after a step); for a
+        fused-feature head, the target's captured layers [m, k * D]."""
         m = hidden.shape[0]
-        self.features[self.num_features : self.num_features + m] = hidden
+        with torch.inference_mode():
+            self.features[self.num_features : self.num_features + m] = self.head.input_features(hidden)
         self.num_features += m
 
     @torch.inference_mode()
