@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecode.heads.corpus import Messages, training_conversations
@@ -46,8 +47,10 @@ class Shard:
         return list(zip(s[:-1], s[1:], strict=True))
 
 
-def load_shard(path: Path) -> Shard:
-    t = load_file(str(path))
+def load_shard(path: Path, aux: bool = True) -> Shard:
+    """aux=False leaves the captured layers on disk (3x the final-norm features' size for EAGLE-3's three)."""
+    with safe_open(str(path), framework="pt") as f:
+        t = {name: f.get_tensor(name) for name in f.keys() if aux or name != "aux"}  # noqa: SIM118 - not a dict
     return Shard(t["hidden"], t["tokens"].long(), t["target_next"].long(), t["starts"].long(), t.get("aux"))
 
 

@@ -84,12 +84,14 @@ class Corpus:
         return self.hidden if self.aux is None else self.aux
 
     @classmethod
-    def from_shards(cls, paths: list[Path], window: int) -> Corpus:
-        shards: list[Shard] = [load_shard(p) for p in paths]
-        with_aux = {s.aux is not None for s in shards}
-        if len(with_aux) > 1:
-            raise ValueError("some feature shards hold the target's captured layers and some do not")
-        aux = torch.cat([s.aux for s in shards]) if with_aux == {True} else None  # type: ignore[misc]
+    def from_shards(cls, paths: list[Path], window: int, fused: bool = False) -> Corpus:
+        """fused: keep the shards' captured layers (a fused-feature head's input); else only the final-norm
+        features (shards with captured layers serve both kinds of head)."""
+        shards: list[Shard] = [load_shard(p, aux=fused) for p in paths]
+        if fused and any(s.aux is None for s in shards):
+            raise ValueError("a fused-feature head needs the target's captured layers in every feature shard: "
+                             "generate features with those layers")
+        aux = torch.cat([s.aux for s in shards]) if fused else None  # type: ignore[misc]
         hidden = torch.cat([s.hidden for s in shards])
         tokens = torch.cat([s.tokens for s in shards])
         target_next = torch.cat([s.target_next for s in shards])
@@ -187,25 +189,25 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
                always_ids: list[int], data_info: dict | None = None) -> DraftHead:
     """Train (or resume training) a head on the stored features; saves the head in out_dir."""
     torch.manual_seed(opts.seed)
-    corpus = Corpus.from_shards(shard_files, opts.window)
     vocab = target.config.vocab_size
     ckpt_path = out_dir / CHECKPOINT
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     init = load_head(opts.init_from, target, kind=opts.kind, dtype=torch.float32) if opts.init_from else None
+    sizes = init.config if init is not None else None  # a fine-tuned head keeps its starting head's shape
+    layers = opts.feature_layers if opts.feature_layers is not None else (sizes.feature_layers if sizes else [])
+    if layers and opts.kind != "eagle":
+        raise ValueError("feature layers are for EAGLE heads")
+    corpus = Corpus.from_shards(shard_files, opts.window, fused=bool(layers))
+    width = len(layers) * target.config.hidden_size if layers else target.config.hidden_size
+    if corpus.inputs.shape[1] != width:
+        raise ValueError(f"the feature shards hold {corpus.inputs.shape[1]} numbers a position but a head reading "
+                         f"layers {layers} needs {width}: generate features with those layers")
     if ckpt:
         d2t = ckpt["d2t"]
     elif init is not None:
         d2t = widen_draft_vocab(init.d2t, opts.draft_vocab_first, vocab)
     else:
         d2t = choose_draft_vocab(corpus.target_next, vocab, opts.draft_vocab_size, always_ids, opts.draft_vocab_first)
-    sizes = init.config if init is not None else None  # a fine-tuned head keeps its starting head's shape
-    layers = opts.feature_layers if opts.feature_layers is not None else (sizes.feature_layers if sizes else [])
-    if layers and opts.kind != "eagle":
-        raise ValueError("feature layers are for EAGLE heads")
-    width = len(layers) * target.config.hidden_size if layers else target.config.hidden_size
-    if corpus.inputs.shape[1] != width:
-        raise ValueError(f"the feature shards hold {corpus.inputs.shape[1]} numbers a position but a head reading "
-                         f"layers {layers or 'final-norm'} needs {width}: generate features with those layers")
     # A fine-tuned head's record keeps the chain of runs behind it (each one's options, steps and data).
     init_training = dict(init.config.training) if init is not None and init.config.training else None
     head = new_head(target, opts.kind, d2t, sizes.intermediate_size if sizes else opts.intermediate_size,
