@@ -351,6 +351,16 @@ def test_written_requests_are_cached_and_resumed(tiny_llama_dir: Path, tmp_path:
     assert len(path.read_text().splitlines()) == 4 and all(r in again for r in first)
     fresh = written_requests(llm, 3, tmp_path / "fresh.jsonl", batch=1, max_tokens=24)  # one at a time, same seeds
     assert fresh == first
+    # A larger set in another file copies the replies of a smaller one (same seed and prompt) and writes the rest.
+    def no_generation(*_args, **_kwargs) -> None:
+        raise RuntimeError("generated")
+
+    llm.generate = no_generation  # type: ignore[method-assign] - copying must not generate
+    larger = tmp_path / "written-5.jsonl"
+    with pytest.raises(RuntimeError, match="generated"):  # seed 4 is new: only it has to be written
+        written_requests(llm, 5, larger, batch=1, max_tokens=24, reuse=[path])
+    copied = {json.loads(line)["seed"]: json.loads(line) for line in larger.read_text().splitlines()}
+    assert sorted(copied) == [0, 1, 2, 3] and all(copied[r["seed"]] == r for r in rows)
 
 
 def test_saved_texts_seed_the_data_directory(tmp_path: Path) -> None:
@@ -372,3 +382,29 @@ def test_saved_texts_seed_the_data_directory(tmp_path: Path) -> None:
     assert (data / "self-answers-written-8.jsonl").read_text().count("\n") == 2  # untouched
     assert not (data / "notes.md").exists()
     assert seed_data_dir(data, "other-target", saved=tmp_path / "saved") == []
+
+
+def test_a_larger_written_set_reuses_a_smaller_ones_requests_and_answers(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`--self-distill-written 3` after a run of 2: the two requests and their answers are copied (seeds and
+    prompts match), only the third is written and answered."""
+    from specdecode.cli import main
+    from specdecode.heads.written import written_request_prompts
+
+    data = tmp_path / "data"
+    data.mkdir()
+    prompts = written_request_prompts(2)
+    requests = ["Describe a quiet harbour town at dawn.", "Explain why the sky looks blue at noon."]
+    (data / "written-requests-2.jsonl").write_text("".join(
+        json.dumps({"seed": i, "prompt": prompts[i], "reply": requests[i]}) + "\n" for i in range(2)))
+    answers = [[{"role": "user", "content": r}, {"role": "assistant", "content": f"Seeded answer {i}."}]
+               for i, r in enumerate(requests)]
+    (data / "self-answers-written-2.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
+    rc = main(["train-head", "--target", str(tiny_llama_dir), "--out", str(tmp_path / "head"), "--data-dir", str(data),
+               "--data-tokens", "0", "--self-distill-written", "3", "--self-distill-batch", "2", "--data-only",
+               "--threads", "1"])
+    assert rc == 0
+    rows = {json.loads(line)["seed"]: json.loads(line) for line in (data / "written-requests-3.jsonl").open()}
+    assert sorted(rows) == [0, 1, 2] and [rows[i]["reply"] for i in range(2)] == requests
+    convs = [json.loads(line) for line in (data / "self-answers-written-3.jsonl").open()]
+    assert all(a in convs for a in answers)
+    assert sorted((data / "self-written-3").glob("shard-*.safetensors"))

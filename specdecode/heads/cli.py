@@ -125,14 +125,18 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, layers: lis
     llm = LLM(args.target, speculative_config=spec, quantization=args.self_distill_quantization, max_model_len=4096)
     if args.self_distill_written > 0:  # the target writes these requests first (cached, resumable)
         n = args.self_distill_written
-        request_sets[f"written-{n}"] = written_requests(llm, n, data_dir / f"written-requests-{n}.jsonl", batch=batch)
+        out = data_dir / f"written-requests-{n}.jsonl"
+        others = sorted(set(data_dir.glob("written-requests-*.jsonl")) - {out})  # same seeds: copied, not rewritten
+        request_sets[f"written-{n}"] = written_requests(llm, n, out, batch=batch, reuse=others)
     answered: dict[str, list] = {}
     for tag, requests in request_sets.items():
         out = data_dir / f"self-answers-{tag}.jsonl"
         diverse = tag.startswith("diverse-")
-        # A larger diverse set starts from the answers of smaller ones (the same requests come first).
-        reuse = [p for p in data_dir.glob("self-answers-diverse-*.jsonl")
-                 if p != out and not p.stem.endswith("-back")] if diverse else []
+        # A larger diverse or written set starts from the answers of other sets of its kind (copied where the
+        # request is the same).
+        kind = tag.split("-")[0]
+        reuse = [p for p in data_dir.glob(f"self-answers-{kind}-*.jsonl")
+                 if p != out and not p.stem.endswith("-back")] if kind in ("diverse", "written") else []
         answered[tag] = self_distilled_conversations(llm, requests, out, batch=batch, reuse=reuse)
         if diverse and (back := back_translation_requests(answered[tag])):
             answered[f"{tag}-back"] = self_distilled_conversations(

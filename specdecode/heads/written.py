@@ -101,23 +101,37 @@ def clean_written_request(prompt: str, reply: str) -> str | None:
     return text
 
 
+def _read_replies(path: Path) -> dict[int, dict]:
+    """seed -> row of a written-requests file (a line cut short by a kill mid-write is skipped)."""
+    rows: dict[int, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows[row["seed"]] = row
+    return rows
+
+
 def written_requests(llm, count: int, out_jsonl: Path, batch: int = 8, seed: int = 3,  # noqa: ANN001
-                     max_tokens: int = 192) -> list[str]:
+                     max_tokens: int = 192, reuse: list[Path] | None = None) -> list[str]:
     """`count` requests written by the target (sampled at temperature 0.9, top-p 0.95, seed i for the i-th
-    prompt), cleaned and without repeats; cached in out_jsonl (resumable)."""
+    prompt), cleaned and without repeats; cached in out_jsonl (resumable). The i-th prompt is the same for any
+    count, so the replies of another set in `reuse` (e.g. written-requests-2400.jsonl for 3600) are copied
+    where seed and prompt match: a larger set only writes its new requests."""
     from specdecode.sampling import SamplingParams
 
     prompts = written_request_prompts(count, seed)
-    done: dict[int, str] = {}
-    if out_jsonl.exists():
-        for line in out_jsonl.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # cut short by a kill mid-write: written again
-                continue
-            done[row["seed"]] = row["reply"]
-    todo = [i for i in range(count) if i not in done]
+    done = {i: row["reply"] for i, row in _read_replies(out_jsonl).items()}
+    known = {i: row for path in reuse or [] for i, row in _read_replies(path).items()
+             if i < count and i not in done and row.get("prompt") == prompts[i]}
     out_jsonl.parent.mkdir(parents=True, exist_ok=True)
+    if known:
+        with out_jsonl.open("a") as f:
+            f.writelines(json.dumps(row) + "\n" for _, row in sorted(known.items()))
+        done.update({i: row["reply"] for i, row in known.items()})
+    todo = [i for i in range(count) if i not in done]
     with out_jsonl.open("a") as f:
         def save(i: int, reply: str) -> None:
             f.write(json.dumps({"seed": i, "prompt": prompts[i], "reply": reply}) + "\n")
