@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_helpers import GREEDY, tiny_prompts
+from tiny_helpers import GREEDY, run_batched, tiny_prompts
 
 from specdecode import LLM
 from specdecode.heads.config import eagle3_layers, parse_feature_layers
@@ -56,12 +56,7 @@ def test_fused_head_in_continuous_batching(plain_tiny, tiny_llama_dir: Path, fus
     base, ref = plain_tiny
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": "eagle", "model": str(fused_head), "num_speculative_tokens": 3})
-    engine = llm.batch_engine(max_num_seqs=2)
-    seqs = [llm.new_sequence(p, GREEDY) for p in tiny_prompts(base)]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work():
-        engine.step()
+    seqs = run_batched(llm, tiny_prompts(base), GREEDY)
     assert [s.output_ids for s in seqs] == ref
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_helpers import GREEDY, tiny_prompts
+from tiny_helpers import GREEDY, run_batched, tiny_prompts
 
 from specdecode import LLM, SamplingParams
 from specdecode.heads.features import generate_features, load_shard
@@ -229,12 +229,7 @@ def test_heads_in_continuous_batching_keep_greedy_output(plain_tiny, tiny_llama_
     base, ref = plain_tiny
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": kind, "model": str(random_heads[kind]), "num_speculative_tokens": 3})
-    engine = llm.batch_engine(max_num_seqs=2)
-    seqs = [llm.new_sequence(p, GREEDY) for p in tiny_prompts(base)]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work():
-        engine.step()
+    seqs = run_batched(llm, tiny_prompts(base), GREEDY)
     assert [s.output_ids for s in seqs] == ref
     assert all(0 < s.stats.draft_tokens <= 3 * s.stats.steps for s in seqs)
 

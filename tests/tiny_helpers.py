@@ -4,9 +4,21 @@ on the tiny random models (the plain reference itself is the `plain_tiny` fixtur
 from __future__ import annotations
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 
 def tiny_prompts(llm: LLM) -> list[list[int]]:
     return [llm.tokenizer.encode("def add(a, b):"), llm.tokenizer.encode("The quick brown fox")]
+
+
+def run_batched(llm: LLM, prompts: list[list[int]], params: SamplingParams, max_num_seqs: int = 2) -> list[Sequence]:
+    """Every prompt through the continuous-batching engine, stepped until done; the finished sequences."""
+    engine = llm.batch_engine(max_num_seqs=max_num_seqs)
+    seqs = [llm.new_sequence(p, params) for p in prompts]
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    return seqs

@@ -4,13 +4,29 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
 
 from specdecode.heads.features import progress_bar
 from specdecode.sampling import SamplingParams
 
 Job = tuple[Hashable, list[int], SamplingParams]
 """(key, prompt token ids, sampling) of one prompt."""
+
+
+def cached_rows(path: Path) -> list[Any]:
+    """The JSON lines a cache file of answers holds (none if it is missing); a line cut short by a kill
+    mid-write is skipped, so its prompt is answered again."""
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
 
 
 def answer_all(llm, jobs: list[Job], save: Callable[[Hashable, str], None], batch: int = 1,  # noqa: ANN001

@@ -131,10 +131,10 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, layers: lis
     answered: dict[str, list] = {}
     for tag, requests in request_sets.items():
         out = data_dir / f"self-answers-{tag}.jsonl"
-        diverse = tag.startswith("diverse-")
+        kind = tag.split("-")[0]
+        diverse = kind == "diverse"
         # A larger diverse or written set starts from the answers of other sets of its kind (copied where the
         # request is the same).
-        kind = tag.split("-")[0]
         reuse = [p for p in data_dir.glob(f"self-answers-{kind}-*.jsonl")
                  if p != out and not p.stem.endswith("-back")] if kind in ("diverse", "written") else []
         answered[tag] = self_distilled_conversations(llm, requests, out, batch=batch, reuse=reuse)

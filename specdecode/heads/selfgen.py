@@ -17,7 +17,7 @@ import random
 import re
 from pathlib import Path
 
-from specdecode.heads.batch_answers import answer_all
+from specdecode.heads.batch_answers import answer_all, cached_rows
 from specdecode.heads.corpus import Messages, code_conversations, documentation_texts, prose_conversations
 
 
@@ -130,15 +130,7 @@ def back_translation_requests(conversations: list[Messages]) -> list[str]:
 
 
 def _read_answers(path: Path) -> dict[str, Messages]:
-    answered: dict[str, Messages] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                conv = json.loads(line)
-            except json.JSONDecodeError:  # empty, or cut short by a kill mid-write: answered again
-                continue
-            answered[conv[0]["content"]] = conv
-    return answered
+    return {conv[0]["content"]: conv for conv in cached_rows(path)}
 
 
 def self_distilled_conversations(llm, requests: list[str], out_jsonl: Path, max_tokens: int = 256,  # noqa: ANN001

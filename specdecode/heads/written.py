@@ -15,7 +15,7 @@ import random
 import re
 from pathlib import Path
 
-from specdecode.heads.batch_answers import answer_all
+from specdecode.heads.batch_answers import answer_all, cached_rows
 
 REQUEST_KINDS = (
     "Write one request that a user might send to an AI assistant for a piece of creative writing (a story, a poem, "
@@ -102,16 +102,8 @@ def clean_written_request(prompt: str, reply: str) -> str | None:
 
 
 def _read_replies(path: Path) -> dict[int, dict]:
-    """seed -> row of a written-requests file (a line cut short by a kill mid-write is skipped)."""
-    rows: dict[int, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            rows[row["seed"]] = row
-    return rows
+    """seed -> row of a written-requests file."""
+    return {row["seed"]: row for row in cached_rows(path)}
 
 
 def written_requests(llm, count: int, out_jsonl: Path, batch: int = 8, seed: int = 3,  # noqa: ANN001
@@ -126,13 +118,11 @@ def written_requests(llm, count: int, out_jsonl: Path, batch: int = 8, seed: int
     done = {i: row["reply"] for i, row in _read_replies(out_jsonl).items()}
     known = {i: row for path in reuse or [] for i, row in _read_replies(path).items()
              if i < count and i not in done and row.get("prompt") == prompts[i]}
-    out_jsonl.parent.mkdir(parents=True, exist_ok=True)
-    if known:
-        with out_jsonl.open("a") as f:
-            f.writelines(json.dumps(row) + "\n" for _, row in sorted(known.items()))
-        done.update({i: row["reply"] for i, row in known.items()})
+    done.update({i: row["reply"] for i, row in known.items()})
     todo = [i for i in range(count) if i not in done]
+    out_jsonl.parent.mkdir(parents=True, exist_ok=True)
     with out_jsonl.open("a") as f:
+        f.writelines(json.dumps(row) + "\n" for _, row in sorted(known.items()))
         def save(i: int, reply: str) -> None:
             f.write(json.dumps({"seed": i, "prompt": prompts[i], "reply": reply}) + "\n")
             f.flush()
