@@ -3,8 +3,11 @@ final-norm hidden state? Both heads train from scratch on the same corpus positi
 steps; the table gives their top-1 on conversations neither saw, teacher-forced (step 1) and on their own
 predicted features (steps 2 and 3, as drafting uses them). With --init-from both start from a trained head
 (the fused one learns only its fuse from scratch): does turning the shipped head into a fused one pay?
+--variants picks the heads compared: final (final-norm features), fused (the captured layers), soft (final-norm,
+token loss against the target's whole distribution: train-head --distill soft), fused-soft.
 
     python benchmarks/fused_features.py [--layers eagle3] [--tokens 32768] [--steps 150] [--out bench-out/fused]
+    python benchmarks/fused_features.py --variants final,soft ...
 
 The features (~9 min for 32k positions on 2 AMD cores) hold both the final-norm states and the captured layers,
 so one pass serves both heads; every stage resumes. Corpus conversations only (the training corpus of
@@ -45,6 +48,7 @@ def main() -> None:
     ap.add_argument("--init-from", default=None, metavar="HEAD_DIR",
                     help="start both heads from this final-norm head ('shipped': the shipped one; the fused head "
                          "learns its fuse from scratch) and also score it as it is")
+    ap.add_argument("--variants", default="final,fused", help="heads to train: final, fused, soft, fused-soft")
     ap.add_argument("--out", type=Path, default=Path("bench-out/fused"))
     args = ap.parse_args()
 
@@ -67,24 +71,30 @@ def main() -> None:
     windows = len(Corpus.from_shards(train, 256).windows)
     epochs = args.steps * TrainOptions.batch_windows / windows  # the schedule ends at --steps
     init = str(shipped_head(TARGET, "eagle")) if args.init_from == "shipped" else args.init_from
-    results = {}
+    saved = args.out / "results.json"  # earlier runs' heads stay on record: a variant scored before is not rerun
+    results = json.loads(saved.read_text()) if saved.exists() else {}
     if init:
         head = load_head(init, target, kind="eagle").float()
         results[f"{args.init_from} as it is"] = {"held_out": top1(head, held, args.windows, steps=3),
                                                  "trained_on": top1(head, train, args.windows // 2)["top1"],
                                                  "train_s": 0.0}
-    for name, fused in (("final-norm", []), (f"fused {layers}", layers)):
+    names = {"final": "final-norm", "fused": f"fused {layers}", "soft": "final-norm, soft labels",
+             "fused-soft": f"fused {layers}, soft labels"}
+    for variant in args.variants.split(","):
+        name, fused = names[variant], layers if variant.startswith("fused") else []
+        if name in results:
+            continue
         opts = TrainOptions(kind="eagle", epochs=epochs, lr=args.lr, max_steps=args.steps,
                             unroll_steps=args.unroll_steps, ce_weight=args.ce_weight, feature_layers=fused,
-                            init_from=init)
-        out = args.out / ("head-fused" if fused else "head-final")
+                            distill="soft" if variant.endswith("soft") else "hard", init_from=init)
+        out = args.out / f"head-{variant}"
         t1 = time.perf_counter()
         train_head(target, train, out, opts, always)
         train_s = time.perf_counter() - t1
         head = load_head(out, target, kind="eagle").float()
         results[name] = {"held_out": top1(head, held, args.windows, steps=3),
                          "trained_on": top1(head, train, args.windows // 2, steps=1)["top1"], "train_s": train_s}
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    saved.write_text(json.dumps(results, indent=1))
     print(f"features: {args.tokens} training positions + {args.held_out} held-out conversations in {features_s:.0f} s")
     print("| head input | held-out top-1 step 1 | step 2 | step 3 | top-1 on its training data | train s |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -14,7 +14,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.heads.features import generate_features, load_shard
 from specdecode.heads.modules import IncompatibleHeadError
 from specdecode.heads.persist import load_head, new_head, save_head
-from specdecode.heads.train import TrainOptions, train_head
+from specdecode.heads.train import Corpus, TrainOptions, _eagle_step_loss, train_head, window_batch
 from specdecode.model.load import load_model
 from specdecode.proposers.head_columns import HeadColumns
 
@@ -176,6 +176,30 @@ def test_training_learns_and_resumes(tiny_llama_dir: Path, tiny_features, tmp_pa
     base = LLM(str(tiny_llama_dir), dtype="fp32")
     prompts = tiny_prompts(base)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in base.generate(prompts, GREEDY)]
+
+
+def test_soft_distillation_targets_the_targets_distribution(tiny_llama_dir: Path, tiny_features) -> None:
+    """--distill soft: the token loss is the cross-entropy against softmax of the target's own logits over the
+    draft vocabulary, so a head predicting the target's next feature exactly scores the entropy of that
+    distribution (its minimum), and anything else more; "hard" ignores all but the greedy token."""
+    _, shards = tiny_features
+    target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
+    d2t = torch.arange(0, target.config.vocab_size, 2)
+    head = new_head(target, "eagle", d2t, seed=1).float()
+    corpus = Corpus.from_shards(shards, window=32)
+    feats, toks, nxt, labels, mask = window_batch(corpus, corpus.windows[:2])
+    t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    soft, hard = TrainOptions(distill="soft", ce_weight=1.0), TrainOptions(distill="hard", ce_weight=1.0)
+    ones = torch.ones(nxt.shape[-1])
+    probs = torch.softmax(target.compute_logits(nxt[mask])[:, d2t].float(), -1)  # [M, Vd] the target's own
+    entropy = -(probs * probs.log()).sum(-1).mean().item()
+    _, _, ce_exact, _ = _eagle_step_loss(head, nxt, nxt, labels, mask, t2d, soft, ones)
+    assert ce_exact == pytest.approx(entropy, rel=1e-4)
+    off = nxt + 0.5 * torch.randn(nxt.shape, generator=torch.Generator().manual_seed(0))
+    assert _eagle_step_loss(head, off, nxt, labels, mask, t2d, soft, ones)[2] > ce_exact + 1e-3
+    # The hard loss differs: only the greedy token counts (a sharper target than the whole distribution).
+    assert _eagle_step_loss(head, nxt, nxt, labels, mask, t2d, hard, ones)[2] < ce_exact
 
 
 def test_training_starts_from_a_saved_head(tiny_llama_dir: Path, tiny_features, tmp_path: Path) -> None:

@@ -49,6 +49,9 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ce-weight", type=float, default=0.1,
                    help="EAGLE: weight of the token cross-entropy against the feature regression (default 0.1, "
                         "EAGLE-1's)")
+    p.add_argument("--distill", choices=("hard", "soft"), default="hard",
+                   help="EAGLE: token loss against the target's greedy token (hard, default) or its whole "
+                        "distribution over the draft vocabulary (soft, as EAGLE-1)")
     p.add_argument("--reg-weight", type=float, default=1.0,
                    help="EAGLE: weight of the feature regression (default 1; EAGLE-3 trains on tokens alone: 0)")
     p.add_argument("--feature-layers", default=None, metavar="LAYERS",
@@ -208,7 +211,7 @@ def run_train_head(args: argparse.Namespace) -> int:
                         draft_vocab_first=args.draft_vocab_first,
                         intermediate_size=args.intermediate_size, num_medusa_heads=args.num_heads,
                         budget_minutes=args.budget_minutes, unroll_steps=args.unroll_steps,
-                        normalize_regression=args.normalize_regression, ce_weight=args.ce_weight,
+                        normalize_regression=args.normalize_regression, ce_weight=args.ce_weight, distill=args.distill,
                         reg_weight=args.reg_weight, feature_layers=layers,
                         init_from=str(args.init_from) if args.init_from else None)
     always = [i for i in (tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)]

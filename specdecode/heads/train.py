@@ -50,6 +50,10 @@ class TrainOptions:
     feature_noise: float = 0.1
     """Uniform noise amplitude on input features, relative to their standard deviation."""
     ce_weight: float = 0.1
+    distill: str = "hard"
+    """EAGLE: the token loss's target: "hard" = the target's greedy token (cross-entropy), "soft" = the target's
+    whole distribution over the draft vocabulary (softmax of its output rows at its own next feature, as
+    EAGLE-1's classification loss): the ranking of the runner-up tokens is what a tree's siblings draw on."""
     reg_weight: float = 1.0
     """EAGLE: weight of the feature regression (EAGLE-3 drops it: 0 trains on the tokens alone)."""
     feature_layers: list[int] | None = None
@@ -133,7 +137,12 @@ def _eagle_step_loss(head: EagleHead, pred: torch.Tensor, nxt_feats: torch.Tenso
     logits = head.draft_logits(pred[mask])  # [M, Vd]
     target_cls = t2d[labels[mask]]  # -1 where the target's token is outside the draft vocabulary
     keep = target_cls >= 0
-    ce = (F.cross_entropy(logits, target_cls.clamp(min=0), reduction="none") * keep).sum() / keep.sum().clamp(min=1)
+    if opts.distill == "soft":
+        with torch.no_grad():  # the target's own logits over the draft vocabulary, from its next feature
+            soft = torch.softmax(head.draft_logits(nxt_feats[mask]), -1)  # [M, Vd]
+        ce = -(soft * torch.log_softmax(logits, -1)).sum(-1).mean()
+    else:
+        ce = (F.cross_entropy(logits, target_cls.clamp(min=0), reduction="none") * keep).sum() / keep.sum().clamp(min=1)
     acc = ((logits.argmax(-1) == target_cls) & keep).float().mean()
     return opts.reg_weight * reg + opts.ce_weight * ce, reg.item(), ce.item(), acc.item()
 
