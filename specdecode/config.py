@@ -47,8 +47,8 @@ class SpeculativeConfig:
     """Nodes kept per tree level; 1 proposes a chain, > 1 a tree verified with tree attention in one
     target pass (top-b expansion, best cumulative draft probability kept per level); 0 = dynamic: the
     node budget spread over the depth, where the node budget is the largest target forward the measured
-    cost model finds nearly as cheap as one token. None = the method's default: a chain for "draft",
-    dynamic for "eagle" and "medusa"."""
+    cost model finds nearly as cheap as one token (at least 2 a level). None = the method's default: a chain
+    for "draft", dynamic for "eagle" and "medusa"."""
     draft_tree_branching: int | None = None
     """Tree proposers: top-b candidates expanded per kept node. None = the method's default: 4 for "eagle"
     (on Spec-Bench 60 it drafted a little more than 2 at no cost in speed: τ 2.36 vs 2.33, BENCHMARKS.md

@@ -1,0 +1,38 @@
+"""How wide a dynamic draft tree grows, and why: the verified nodes are re-ranked from what was grown."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specdecode.proposers.tree_growth import MIN_DYNAMIC_WIDTH, TreeLevel, grow_tree, level_width
+
+
+def test_level_width_configured_and_dynamic() -> None:
+    assert level_width(3, 8, 6) == 3  # a configured width stays
+    assert level_width(1, 8, 6) == 1  # a chain was asked for
+    assert level_width(0, 8, 2) == 4  # the budget spread over the depth
+    assert level_width(0, 64, 2) == 16  # at most 16 a level
+    assert level_width(0, 8, 6) == MIN_DYNAMIC_WIDTH == 2  # never a chain: nothing to re-rank
+
+
+def _logits(probs: dict[int, float], vocab: int = 8) -> torch.Tensor:
+    rest = (1.0 - sum(probs.values())) / (vocab - len(probs))
+    return torch.tensor([math.log(probs.get(i, rest)) for i in range(vocab)])
+
+
+def test_a_dynamic_tree_can_keep_the_runner_up_branch() -> None:
+    """Root: token 1 at 0.5, token 2 at 0.4. After 1 the head is unsure (best 0.3); after 2 it is sure (0.95).
+    Keeping 2 nodes of a width-2 tree gives 2 -> its child (0.38) over 1 (0.5) -> child (0.15): the budget of
+    one node a level would have grown only the chain 1 -> ..., which cannot offer that."""
+    after = {1: _logits({3: 0.3, 4: 0.3}), 2: _logits({5: 0.95})}
+
+    def expand(level: TreeLevel) -> torch.Tensor:
+        return torch.stack([after[int(t)] if int(t) in after else _logits({}) for t in level.tokens])
+
+    width = level_width(0, 2, 2)
+    draft = grow_tree(_logits({1: 0.5, 2: 0.4}), 2, width, 2, 1, expand, select=lambda probs: 3)
+    assert sorted(draft.tokens) == [1, 2, 5]  # both root children and the runner-up's sure continuation
+    assert draft.parents[draft.tokens.index(5)] == draft.tokens.index(2) + 1  # 5 hangs under 2 (1-based)
+    assert draft.parents[draft.tokens.index(1)] == draft.parents[draft.tokens.index(2)] == 0
