@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from specdecode.tree import MAX_TREE_NODES
+
 TARGET = "qwen2.5-coder-1.5b-instruct"
 SAVED = Path(__file__).resolve().parents[1] / "data/head-training" / TARGET / "written-requests-2400.jsonl"
 SEEN = 2400  # seeds the shipped head's training answered
@@ -119,14 +121,14 @@ def value_chosen(steps: list, orders: list[list[int]], draft_s: float, verify: d
     value, kept, tokens, seconds, last_l = None, 0, 0.0, 0.0, None
     for (s, ok), order in zip(steps, orders, strict=True):
         if value is None or s["L"] < last_l:  # a new request
-            value = TreeValue(lambda t: verify[min(t, max(verify))])
+            value = TreeValue(lambda t: verify[t])
         last_l = s["L"]
         n = value.keep([math.exp(s["scores"][i]) for i in order], draft_s)
         got = accepted(order, n, ok)
         value.observe(got)
         kept += n
         tokens += 1 + got
-        seconds += draft_s + verify[min(n + 1, max(verify))]
+        seconds += draft_s + verify[n + 1]
     return {"nodes": kept / len(steps), "tau": tokens / len(steps), "tok_s": tokens / seconds}
 
 
@@ -176,7 +178,7 @@ def main() -> None:
         print(f"{len(runs)} requests, {sum(len(r['steps']) for r in runs)} steps in {time.perf_counter() - t0:.0f} s")
         pool_file.write_text(json.dumps(runs))
     cost = llm.decoder.cost
-    verify = {t: cost.target_forward_seconds(t) for t in range(1, 66)}  # up to a full tree + root
+    verify = {t: cost.target_forward_seconds(t) for t in range(1, MAX_TREE_NODES + 2)}  # any tree + its root
     level = head_level_seconds(llm, [1, 2, 4, 10])
     steps = [(s, correct_nodes(s, r["full"])) for r in runs for s in r["steps"]]
     widths = (1, 2, 4, 10)

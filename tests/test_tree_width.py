@@ -24,8 +24,8 @@ def _logits(probs: dict[int, float], vocab: int = 8) -> torch.Tensor:
 
 def test_a_dynamic_tree_can_keep_the_runner_up_branch() -> None:
     """Root: token 1 at 0.5, token 2 at 0.4. After 1 the head is unsure (best 0.3); after 2 it is sure (0.95).
-    Keeping 2 nodes of a width-2 tree gives 2 -> its child (0.38) over 1 (0.5) -> child (0.15): the budget of
-    one node a level would have grown only the chain 1 -> ..., which cannot offer that."""
+    Keeping the best 3 nodes of a width-2 tree gives 1 (0.5), 2 (0.4) and 2 -> 5 (0.38), not 1 -> 3 (0.15): a
+    budget of one node a level would have grown only the chain 1 -> 3, which cannot offer that."""
     after = {1: _logits({3: 0.3, 4: 0.3}), 2: _logits({5: 0.95})}
 
     def expand(level: TreeLevel) -> torch.Tensor:
