@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from specdecode.proposers.tree_growth import MIN_DYNAMIC_WIDTH, TreeLevel, grow_tree, level_width
+from specdecode.proposers.tree_growth import MIN_DYNAMIC_WIDTH, TreeLevel, grow_tree, level_width, priced_nodes
 
 
 def test_level_width_configured_and_dynamic() -> None:
@@ -36,3 +36,11 @@ def test_a_dynamic_tree_can_keep_the_runner_up_branch() -> None:
     assert sorted(draft.tokens) == [1, 2, 5]  # both root children and the runner-up's sure continuation
     assert draft.parents[draft.tokens.index(5)] == draft.tokens.index(2) + 1  # 5 hangs under 2 (1-based)
     assert draft.parents[draft.tokens.index(1)] == draft.parents[draft.tokens.index(2)] == 0
+
+
+def test_priced_nodes_charge_what_is_verified() -> None:
+    assert [priced_nodes(1, 8, k) for k in (1, 4, 6)] == [1, 4, 6]  # a chain verifies every drafted node
+    # dynamic, budget 8: grown 8, 8, 6, 8, 10, 12 -> the pruned tree verifies about the budget
+    assert [priced_nodes(0, 8, k) for k in range(1, 7)] == [8, 8, 6, 8, 8, 8]
+    assert priced_nodes(0, 4, 6) == 6  # a deep tree keeps at least one whole path
+    assert priced_nodes(3, 64, 6) == 18  # a small configured tree is charged what it grows

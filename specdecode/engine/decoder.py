@@ -15,7 +15,7 @@ from specdecode.engine.step_verify import share_hidden, start_sequence, verify_d
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, Proposer
 from specdecode.proposers.ngram_match import cap_draft_len
-from specdecode.proposers.tree_growth import level_width, with_lookup_branch
+from specdecode.proposers.tree_growth import priced_nodes, with_lookup_branch
 from specdecode.proposers.tree_value import TreeValue
 from specdecode.tree import MAX_TREE_NODES, build_tree
 
@@ -201,7 +201,7 @@ class SpeculativeDecoder:
             proposer = self.proposer
             proposer.node_budget = min(MAX_TREE_NODES, tree_node_budget(cost, self.k_max))  # type: ignore[union-attr]
             width = proposer.tree_width  # type: ignore[union-attr]
-            nodes = tuple(min(MAX_TREE_NODES, level_width(width, proposer.node_budget, k) * k)  # type: ignore
+            nodes = tuple(min(MAX_TREE_NODES, priced_nodes(width, proposer.node_budget, k))  # type: ignore
                           for k in range(1, self.k_max + 1))
         self.cost = CostModel.from_points(points, max(ts), draft_step_seconds=draft_step, tree_nodes=nodes)
         if tree:

@@ -38,6 +38,18 @@ def level_width(tree_width: int, node_budget: int, depth: int) -> int:
     return max(MIN_DYNAMIC_WIDTH, min(16, node_budget // max(1, depth)))
 
 
+def priced_nodes(tree_width: int, node_budget: int, depth: int) -> int:
+    """Nodes the cost model charges a tree of `depth` levels for. A chain verifies what it drafts; a tree is cut
+    to the nodes worth their verification (`TreeValue`), which is about the node budget the target's forward
+    affords (where its cost starts to climb), at least one path of `depth` nodes. Charging every grown node
+    made a width-2 tree of depth 5 (10 grown, ~5 verified) look dearer than it is, so the policy stopped at
+    depth 3 where deep guesses pay (Spec-Bench summarization τ 3.18 -> 2.72, BENCHMARKS.md session 22)."""
+    grown = level_width(tree_width, node_budget, depth) * depth
+    if tree_width == 1:
+        return grown
+    return min(grown, max(depth, node_budget))
+
+
 @dataclass
 class TreeLevel:
     """The nodes added at one level, ready for a forward over the proposer's own cache."""
