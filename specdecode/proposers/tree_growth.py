@@ -44,9 +44,7 @@ def priced_nodes(tree_width: int, node_budget: int, depth: int) -> int:
     affords (where its cost starts to climb), at least one path of `depth` nodes. Charging every grown node
     made a width-2 tree of depth 5 (10 grown, ~5 verified) look dearer than it is, so the policy stopped at
     depth 3 where deep guesses pay (Spec-Bench summarization τ 3.18 -> 2.72, BENCHMARKS.md session 22)."""
-    grown = level_width(tree_width, node_budget, depth) * depth
-    if tree_width == 1:
-        return grown
+    grown = level_width(tree_width, node_budget, depth) * depth  # a chain grows `depth`: charged all of it
     return min(grown, max(depth, node_budget))
 
 
