@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
+from specdecode import LLM
 from specdecode.proposers.tree_growth import MIN_DYNAMIC_WIDTH, TreeLevel, grow_tree, level_width, priced_nodes
+from specdecode.tree.buffers import MAX_TREE_NODES
 
 
 def test_level_width_configured_and_dynamic() -> None:
@@ -44,3 +47,13 @@ def test_priced_nodes_charge_what_is_verified() -> None:
     assert [priced_nodes(0, 8, k) for k in range(1, 7)] == [8, 8, 6, 8, 8, 8]
     assert priced_nodes(0, 4, 6) == 6  # a deep tree keeps at least one whole path
     assert priced_nodes(3, 64, 6) == 18  # a small configured tree is charged what it grows
+
+
+def test_flat_verify_cost_sizes_the_tree_as_on_a_gpu(tiny_llama_dir: Path, tiny_llama_other_dir: Path) -> None:
+    """--flat-verify-cost (bench): every forward priced as one token, so a dynamic tree gets the whole budget."""
+    spec = {"method": "draft", "model": str(tiny_llama_other_dir), "draft_tree_width": 0}
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
+    cost = llm.decoder.measure_cost(repeats=1, flat=True)
+    assert len(set(cost.target_seconds)) == 1 and len(cost.target_seconds) == MAX_TREE_NODES + 1
+    assert llm.decoder.proposer.node_budget == MAX_TREE_NODES
+    assert cost.tree_nodes[-1] == MAX_TREE_NODES  # the deepest tree is charged its full budget, at no extra cost

@@ -62,6 +62,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="size of the memory-bandwidth probe for the memory floor; 0 skips it (default: %(default)s)")
     b.add_argument("--no-memory-floor", dest="bandwidth_gb", action="store_const", const=0.0,
                    help="skip the bandwidth probe and the memory-floor note (same as --bandwidth-gb 0)")
+    b.add_argument("--flat-verify-cost", action="store_true",
+                   help="size our methods' k and trees as if verifying a full tree cost one forward (a GPU): "
+                        "shows the τ such hardware would get; tokens/s remain this machine's")
     b.add_argument("--no-warmup", action="store_true", help="do not run the warm-up generation per method")
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--no-progress", action="store_true")
@@ -102,6 +105,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         temperature=args.temperature, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         peers=args.peers, seed=args.seed, warmup=not args.no_warmup, bandwidth_gb=args.bandwidth_gb,
         plots=not args.no_plots, progress=not args.no_progress, heads=heads, round_size=args.round_size,
+        flat_verify_cost=args.flat_verify_cost,
         resume=args.resume, peer_methods=args.peer_methods, redo=args.redo, report_only=args.report_only,
     )
     if (args.redo or args.report_only) and not args.resume:

@@ -62,6 +62,9 @@ class BenchConfig:
     warmup: bool = True
     bandwidth_gb: float = 1.0
     """Size of the bandwidth probe tensor; 0 skips the bandwidth measure and the memory floor."""
+    flat_verify_cost: bool = False
+    """Our speculative methods size k and their trees as if a target forward of up to a full tree cost as
+    much as one token (as on a GPU): τ is then what such hardware would see; tokens/s stay this machine's."""
     plots: bool = True
     progress: bool = True
     round_size: int | None = None
@@ -315,6 +318,10 @@ class BenchRun:
                 state.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in self.prompts]
                 state.eos_token_id = llm.tokenizer.eos_token_id
                 state.save()
+            if cfg.flat_verify_cost and llm.decoder.cost is not None:
+                llm.decoder.measure_cost(flat=True)
+                state.add_note(f"{spec.name}: k and tree sized for a flat verification cost (--flat-verify-cost: "
+                               "as on a GPU); τ is that hardware's, tokens/s this machine's")
             memory = _engine_memory(llm)
             if spec.speculative_config is None:  # a plain run: its format's memory floor is reported
                 state.plain_weights[spec.name] = {"method": spec.name, **weight_bytes_per_token(llm.target.model)}

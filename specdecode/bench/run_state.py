@@ -18,7 +18,7 @@ STATE_FILE = "run-state.json"
 RECORDS_FILE = "records.jsonl"
 
 KEY_FIELDS = ("model", "dataset", "tasks", "per_task", "limit", "max_tokens", "temperature", "dtype", "seed",
-              "draft", "heads")
+              "draft", "heads", "flat_verify_cost")
 """Settings a resumed run must share with the stored one (methods and peers may be added, and with them
 heads of a kind the run had none of)."""
 
@@ -26,6 +26,8 @@ heads of a kind the run had none of)."""
 def _same_setting(field: str, stored: Any, now: Any) -> bool:
     if field == "heads" and isinstance(stored, dict) and isinstance(now, dict):
         return all(now.get(kind) == path for kind, path in stored.items())  # a new kind of head may join
+    if field == "flat_verify_cost":
+        return bool(stored) == bool(now)  # runs stored before the option existed measured the real cost
     return stored == now
 
 Key = tuple[str, str, int]

@@ -174,9 +174,13 @@ class SpeculativeDecoder:
 
     # ---- cost model for adaptive k ---------------------------------------------------------------
 
-    def measure_cost(self, context: int = 128, repeats: int = 3) -> CostModel:
+    def measure_cost(self, context: int = 128, repeats: int = 3, flat: bool = False) -> CostModel:
         """Time target forwards over t = 1..k_max+1 tokens (up to a full tree for tree proposers) and one
-        draft step, at start-up; a dynamic-width tree proposer gets its node budget from the result."""
+        draft step, at start-up; a dynamic-width tree proposer gets its node budget from the result.
+
+        `flat` keeps only the 1-token time and prices every larger forward the same, as on a GPU whose
+        forward of a 1.5B model stays memory-bound up to the largest tree: the benchmark uses it to show
+        the trees (and τ) such hardware would choose, on a CPU where they are too slow to pay."""
         tree = getattr(self.proposer, "tree_width", 1) != 1
         top = MAX_TREE_NODES + 1 if tree else self.k_max + 1
         wanted = {1, 2, 3, 4, 6, 8, self.k_max + 1} | ({12, 16, 24, 32, 48, top} if tree else set())
@@ -193,6 +197,8 @@ class SpeculativeDecoder:
                 self._forward([1] * t, context)
                 samples[t].append(time.perf_counter() - t0)
         points = {t: statistics.median(s) for t, s in samples.items()}
+        if flat:
+            points = dict.fromkeys(points, points[min(points)])
         self.cache.reset()
         draft_step = self.proposer.step_cost_hint() if self.proposer is not None else 0.0
         cost = CostModel.from_points(points, max(ts), draft_step_seconds=draft_step)
