@@ -198,6 +198,13 @@ def test_bench_rounds_and_resume(tiny_llama_dir: Path, tmp_path: Path, capsys: p
     assert "max_tokens: 6 -> 7" in capsys.readouterr().err
     assert main([*args[:-1], str(tmp_path / "elsewhere"), "--resume"]) != 0
     assert "no run to resume" in capsys.readouterr().err
+    assert main([*args, "--resume", "--flat-verify-cost"]) != 0  # sized for another cost: not comparable
+    assert "flat_verify_cost: False -> True" in capsys.readouterr().err
+
+    # --flat-verify-cost: our adaptive methods size k as on a GPU, and the summary says so
+    flat = tmp_path / "flat"
+    assert main([*args[:-1], str(flat), "--flat-verify-cost"]) == 0
+    assert "ngram: k and tree sized for a flat verification cost" in (flat / "summary.md").read_text()
 
 
 def test_llamacpp_draft_model_reuses_the_shared_prefix() -> None:
