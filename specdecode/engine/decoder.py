@@ -190,15 +190,16 @@ class SpeculativeDecoder:
         ts = [t for t in ts if context + t <= self.max_len] or [1]
         if context:
             self._forward([1] * context, 0, last_only=True)  # warm-up and a realistic cache
-        samples: dict[int, list[float]] = {t: [] for t in ts}
+        timed = ts[:1] if flat else ts  # a flat curve needs only the 1-token time
+        samples: dict[int, list[float]] = {t: [] for t in timed}
         for _ in range(repeats):  # rounds over every t: a slow spell of a shared machine slows all t alike,
-            for t in ts:  # so the ratios that choose k and the tree stay right (measured t=1 swung 66-103 ms)
+            for t in timed:  # so the ratios that choose k and the tree stay right (measured t=1 swung 66-103 ms)
                 t0 = time.perf_counter()
                 self._forward([1] * t, context)
                 samples[t].append(time.perf_counter() - t0)
         points = {t: statistics.median(s) for t, s in samples.items()}
         if flat:
-            points = dict.fromkeys(points, points[min(points)])
+            points = dict.fromkeys(ts, points[ts[0]])
         self.cache.reset()
         draft_step = self.proposer.step_cost_hint() if self.proposer is not None else 0.0
         cost = CostModel.from_points(points, max(ts), draft_step_seconds=draft_step)
