@@ -6,7 +6,7 @@ costs next to a decode step on a CPU with AVX2 but no AVX512 decides how far spe
 With `--baseline-source FILE` (another version of cpu_kernels_avx2.c, e.g. from `git show REV:PATH`) both
 run in the same process, in alternating order, and their outputs are compared (bit for bit when both sum in
 the same order). A version that exports `bf16_pack_group` takes weights packed by
-`native_kernels.pack_bf16_avx2`; one without it (before session 13) the plain [N, K] weights.
+`native_kernels.pack_bf16_avx2`; one without it (the older path) the plain [N, K] weights.
 
     python benchmarks/avx2_rows.py [--rows 1,2,3,4,8,16,32,65] [--baseline-source OLD.c]
 """

@@ -187,7 +187,7 @@ def check_speed(work: Path, device: str, small: bool = False) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/gpu_check"))
+    ap.add_argument("--work", type=Path, default=Path("bench-out/gpu_check"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="dry run on any machine: small random shapes")
     ap.add_argument("--parts", default="exactness,speed")

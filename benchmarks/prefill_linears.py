@@ -32,7 +32,7 @@ K, N = 1536, 8960
 
 
 def unpacked_chunks(x: torch.Tensor, weight: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """The AVX2 prefill before session 13 packed the weights: chunks of the [N, K] bf16 weights to fp32, then mm."""
+    """The older AVX2 prefill packed the weights: chunks of the [N, K] bf16 weights to fp32, then mm."""
     xf = x.to(torch.bfloat16).float().t()  # [K, M]
     n, k = weight.shape
     yt = torch.empty(n, x.shape[0])

@@ -14,7 +14,7 @@ Example (the numbers recorded in BENCHMARKS.md)::
 Smoke run on a tiny model::
 
     python benchmarks/serve_load.py --model path/to/tiny --dtype fp32 --method ngram --num-prompts 4 \\
-        --max-tokens 16 --concurrency 1,2 --out /tmp/serve_load
+        --max-tokens 16 --concurrency 1,2 --out bench-out/serve_load
 """
 
 from __future__ import annotations

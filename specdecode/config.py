@@ -51,8 +51,7 @@ class SpeculativeConfig:
     for "draft", dynamic for "eagle" and "medusa"."""
     draft_tree_branching: int | None = None
     """Tree proposers: top-b candidates expanded per kept node. None = the method's default: 4 for "eagle"
-    (on Spec-Bench 60 it drafted a little more than 2 at no cost in speed: τ 2.36 vs 2.33, BENCHMARKS.md
-    session 18), 2 for "draft" and "medusa"."""
+    (on Spec-Bench it drafts a little more than 2 at no cost in speed), 2 for "draft" and "medusa"."""
     quantization: str = "auto"
     """Draft weight format: "none", "int8", "int8-dynamic", "int4", or "auto" (int4 for a bf16 draft on
     CPU, the fastest single-token path measured here; none otherwise)."""

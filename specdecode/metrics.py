@@ -1,6 +1,6 @@
 """Speculative-decoding statistics: one object, fed one step at a time by ``observe()``.
 
-Words as in DESIGN.md's glossary: a *step* is one target forward; *output tokens* of a
+Words as in the glossary of docs/design.md: a *step* is one target forward; *output tokens* of a
 step = accepted + (recovered or bonus); τ (mean accepted length) = output tokens / steps,
 so plain decoding has τ = 1; acceptance rate = accepted / draft tokens.
 """

@@ -1,4 +1,4 @@
-"""Shared helpers for the statistical losslessness tests (DESIGN.md section 4).
+"""Shared helpers for the statistical losslessness tests (docs/design.md).
 
 Small Markov-chain "models": next-token logits are a fixed [V, V] matrix row picked by the last token,
 so the exact distribution of any short emitted sequence is a finite product. The chi-square helper

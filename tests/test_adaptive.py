@@ -9,7 +9,7 @@ import pytest
 
 from specdecode.engine.adaptive import AcceptanceTracker, AdaptiveK, CostModel, choose_k
 
-# Measured shapes from DESIGN.md section 6 (Qwen 1.5B target on 2 CPU threads).
+# Measured shapes of a Qwen 1.5B target on 2 CPU threads.
 INT8_TARGET = CostModel.from_points({1: 0.036, 4: 0.070, 8: 0.074, 16: 0.147}, max_tokens=17)
 FLAT = CostModel(tuple([0.1] * 9))
 

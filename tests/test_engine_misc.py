@@ -450,7 +450,7 @@ def test_batch_engine_refuses_rows_that_do_not_fit(tiny_llama_dir, monkeypatch) 
 
 
 def test_batch_cap_counts_the_draft_catch_up(tiny_llama_dir) -> None:
-    """A row whose drafter must first catch up on a long context only drafts if that pays (issue: serving)."""
+    """A row whose drafter must first catch up on a long context only drafts if that pays."""
     from specdecode import LLM, SamplingParams
     from specdecode.engine.batch import BatchCost
 

@@ -1,6 +1,6 @@
 """Greedy equivalence, exact, fp32: speculative output == plain greedy output, token for token.
 
-DESIGN.md section 4. Every proposer (draft model, n-gram) and three drafters:
+docs/design.md. Every proposer (draft model, n-gram) and three drafters:
 
 - the target itself as draft model: every draft token is accepted;
 - a random model of the same vocabulary: (almost) nothing is accepted;

@@ -94,7 +94,7 @@ def test_read_config_qwen_target_gguf(home: Path, monkeypatch: pytest.MonkeyPatc
     assert cfg.attention_bias is True and cfg.tie_word_embeddings is False
     assert cfg.rope_theta == 1e6
     assert cfg.max_position_embeddings == 32768
-    assert cfg.num_parameters() == pytest.approx(1.78e9, rel=0.01)  # DESIGN.md section 5
+    assert cfg.num_parameters() == pytest.approx(1.78e9, rel=0.01)
 
 
 def test_read_config_hf_dir(tiny_qwen_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""Statistical losslessness of chain speculative sampling (DESIGN.md section 4).
+"""Statistical losslessness of chain speculative sampling (docs/design.md).
 
 Two small Markov-chain "models" over a 5-token vocabulary: next-token logits are a fixed [V, V]
 matrix row picked by the last token. We simulate the whole speculative loop (draft proposes k tokens

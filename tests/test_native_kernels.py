@@ -281,7 +281,7 @@ def test_attention_rows_equal_single_queries() -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("k", [6, 24])  # 24: a tree of more than 16 nodes (before session 14 it left the stack)
+@pytest.mark.parametrize("k", [6, 24])  # 24: a tree of more than 16 nodes
 def test_bf16_verification_rows_equal_single_token_forwards(tiny_qwen_dir, monkeypatch, k: int) -> None:  # noqa: ANN001
     """With the native linears, norms and attention, a bf16 target's verification forward of k tokens
     gives, bit for bit, the hidden states of k single-token forwards: greedy speculative decoding of a

@@ -1,4 +1,4 @@
-"""Golden values for tree buffers built from hand-made trees (DESIGN.md rule 4 and section 4)."""
+"""Golden values for tree buffers built from hand-made trees."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Tree verification: golden values with hand-picked uniforms, agreement with the chain verifier,
-and statistical losslessness across step boundaries (DESIGN.md section 4).
+and statistical losslessness across step boundaries (docs/design.md).
 
 Golden probabilities are binary fractions so every comparison is exact in float32.
 """

@@ -9,7 +9,7 @@ A record is one (method, prompt) run. The keys used here (all written by the har
 - ``draft_seconds``, ``verify_seconds`` (``None`` where unknown)
 - ``token_ids``: the generated ids
 
-Words as in DESIGN.md's glossary: τ (mean accepted length) = output tokens / steps, acceptance
+Words as in the glossary of docs/design.md: τ (mean accepted length) = output tokens / steps, acceptance
 rate = accepted / draft tokens, speedup = mean tokens/s of the method ÷ mean tokens/s of the
 baseline over the same prompts (Spec-Bench's ratio of means, never a mean of per-prompt ratios).
 """

@@ -62,7 +62,7 @@ class TrainOptions:
     unroll_steps: int = 1
     """EAGLE: training steps that feed the head its own predicted features (1 = teacher forcing only). From
     scratch, 2 measured no better (τ 1.62 vs 1.59 on 5 HumanEval prompts); as fine-tuning epochs on a trained
-    head, 2 then 3 raised Spec-Bench τ 2.26 -> 2.38 and depth-2 acceptance 31% -> 35% (session 18)."""
+    head, 2 then 3 raised Spec-Bench τ 2.26 -> 2.38 and depth-2 acceptance 31% -> 35%."""
     normalize_regression: bool = False
     """EAGLE: regress features scaled per dimension by their spread in the data."""
     budget_minutes: float | None = None

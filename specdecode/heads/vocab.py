@@ -9,7 +9,7 @@ corpus first, so its lowest ids are those common words; `first_ids` adds them. T
 target's feature and scores it with the target's own output rows, so ids join a trained head's vocabulary
 without retraining (`widen_head`). Each row costs drafting time, though: the shipped head widened by the
 32,768 lowest ids (53k rows) ran Spec-Bench 60 5% faster at equal τ but HumanEval 5% slower, and the full
-vocabulary lowered τ (BENCHMARKS.md, session 19); so it is opt-in (train-head --draft-vocab-first).
+vocabulary lowered τ (docs/heads.md); so it is opt-in (train-head --draft-vocab-first).
 
     python -m specdecode.heads.vocab SRC_HEAD_DIR DST_HEAD_DIR --first-ids 32768
 """

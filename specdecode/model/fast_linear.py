@@ -7,7 +7,7 @@
 - `int8`: weight-only int8 with per-channel scales (our AVX512 kernel, `native_kernels`, where it builds;
   else `torch._weight_int8pack_mm`).
 - `int8-dynamic`: int8 weights x int8 activations quantized per token at run time (our VNNI kernel,
-  else FBGEMM's int8 GEMM): the fastest verification forward (DESIGN.md section 6).
+  else FBGEMM's int8 GEMM): the fastest verification forward (docs/kernels.md).
 - `int4`: weight-only int4 with group-wise scales/minima (our AVX512 kernel, groups of 128; else
   `torch._weight_int4pack_mm_for_cpu`, groups of 32).
 - `int4-hybrid`: int4 for forwards of a few tokens, bf16 for prefill (drafts).

@@ -232,7 +232,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 INT4_TILE_ROWS = 4
 """Output channels of an int4 tile: the kernel's block (NR4 in cpu_kernels.c). One sequential stream per
 thread instead of four row streams: a decode step of the int4 1.5B target 42-44 ms against 46-53 on the
-Intel Xeon (AMX) VMs (BENCHMARKS.md, session 15)."""
+Intel Xeon (AMX) VMs (docs/kernels.md)."""
 
 
 def int4_gemm(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Prompt lookup (n-gram matching): the pure algorithm behind the n-gram proposer.
 
 The proposer object wraps these functions; they take a token array and return plain
-Python ints, so they are tested with literal arrays (DESIGN.md, rule 1).
+Python ints, so they are tested with literal arrays (docs/design.md).
 """
 
 from __future__ import annotations

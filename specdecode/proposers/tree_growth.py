@@ -27,7 +27,7 @@ MIN_DYNAMIC_WIDTH = 2
 verified nodes are re-ranked from what was grown, and a chain leaves nothing to choose from. On 1,267 steps of
 the shipped EAGLE head over requests it had not seen, width 2 then best-n gave τ 2.05 and 9% more tokens per
 second than the chain (τ 1.81) on a 2-core CPU; width 4 gained less, its head levels cost more
-(benchmarks/tree_pool.py, BENCHMARKS.md session 22)."""
+(benchmarks/tree_pool.py)."""
 
 
 def level_width(tree_width: int, node_budget: int, depth: int) -> int:
@@ -43,7 +43,7 @@ def priced_nodes(tree_width: int, node_budget: int, depth: int) -> int:
     to the nodes worth their verification (`TreeValue`), which is about the node budget the target's forward
     affords (where its cost starts to climb), at least one path of `depth` nodes. Charging every grown node
     made a width-2 tree of depth 5 (10 grown, ~5 verified) look dearer than it is, so the policy stopped at
-    depth 3 where deep guesses pay (Spec-Bench summarization τ 3.18 -> 2.72, BENCHMARKS.md session 22)."""
+    depth 3 where deep guesses pay (Spec-Bench summarization τ 3.18 -> 2.72)."""
     grown = level_width(tree_width, node_budget, depth) * depth  # a chain grows `depth`: charged all of it
     return min(grown, max(depth, node_budget))
 

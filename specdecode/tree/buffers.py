@@ -1,6 +1,6 @@
 """Tree buffers: everything a tree verify pass needs to know about the tree's shape, as tensors.
 
-A draft tree is data (DESIGN.md rule 4). It is described by a parent list in topological order:
+A draft tree is data (docs/design.md). It is described by a parent list in topological order:
 node 0 is the root, i.e. the pending token (the last output token, not yet fed to the target), with
 parents[0] == -1; every other node's parent has a smaller index than the node itself. `build_tree`
 turns that list into the attention mask, depths (hence rope positions), parent and retrieve indices.

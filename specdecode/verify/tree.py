@@ -1,6 +1,6 @@
 """Tree verification: multi-candidate recursive rejection sampling and the greedy fast path.
 
-Pure functions with the randomness passed in (DESIGN.md rule 2), for a draft tree described by
+Pure functions with the randomness passed in (docs/design.md), for a draft tree described by
 `specdecode.tree.TreeBuffers` (node 0 = root = pending token). Row i of target_probs is the target's
 processed next-token distribution after the path root..i, i.e. the distribution of node i's children;
 row i of draft_probs is the distribution the draft sampled node i's children from.

@@ -313,7 +313,7 @@ TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 // follow at the machine's full read speed: 16 row-major rows are 16 short streams, ~10-15% slower when
 // memory is fast (55-60 vs 50-52 GB/s; equal when it is slow, ~35). The bf16 weights stay row-major: on
 // tiles, our kernel's prefill (many rows) is 15-35% slower than torch's matmul on row-major weights, and
-// untiling per call costs as much (BENCHMARKS.md, session 8).
+// untiling per call costs as much (docs/kernels.md).
 #define TILE_ROWS 16
 #define CHUNK_BYTES 64
 #define TILE_CHUNK_BYTES (TILE_ROWS * CHUNK_BYTES)
