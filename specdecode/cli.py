@@ -1,15 +1,21 @@
-"""Command line: `specdecode fetch|generate|bench|serve|train-head ...`."""
+"""Command line: `specdecode fetch|generate|chat|bench|serve|train-head ...`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdecode.config import METHODS
 from specdecode.fetch import KNOWN_MODELS, FetchError
+from specdecode.log import configure_cli_logging, verbosity_level
+
+if TYPE_CHECKING:
+    from specdecode.engine.llm import LLM
+    from specdecode.sampling import SamplingParams
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -60,8 +66,48 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
     return cfg or None
 
 
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="cap on generated tokens (default: until EOS or the end of the context)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags, checked before any model loads (`fit_to_context` sets the final max_tokens)."""
+    from specdecode.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens if args.max_tokens is not None else 1, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        seed=args.seed, stop=tuple(args.stop), ignore_eos=getattr(args, "ignore_eos", False),
+    )
+
+
+def fit_to_context(params: SamplingParams, max_tokens: int | None, llm: LLM, prompt_tokens: int) -> SamplingParams:
+    """`params` with max_tokens = `max_tokens`, or without it the rest of the context (until EOS, as llama.cpp)."""
+    room = llm.max_model_len - prompt_tokens
+    if room < 1:
+        raise ValueError(f"the prompt ({prompt_tokens} tokens) fills the context length {llm.max_model_len}: "
+                         "no room for output (raise --max-model-len)")
+    return dataclasses.replace(params, max_tokens=max_tokens if max_tokens is not None else room)
+
+
+def _add_verbosity_args(p: argparse.ArgumentParser, default: Any) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("-v", "--verbose", action="count", default=default,
+                       help="also log quick steps with their times (DEBUG); long steps are logged by default")
+    group.add_argument("-q", "--quiet", action="store_true", default=default, help="log warnings and errors only")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Speculative decoding inference engine")
+    _add_verbosity_args(parser, default=None)
     sub = parser.add_subparsers(dest="command", required=True)
 
     f = sub.add_parser("fetch", help="download and verify a known model into the cache")
@@ -71,17 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("prompt", help="prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_sampling_args(g)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
+    from specdecode.chat_cli import add_chat_parser
+
+    add_chat_parser(sub)
     from specdecode.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -90,22 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.heads.cli import add_train_head_parser
 
     add_train_head_parser(sub)
+    for command in sub.choices.values():  # also after the command: `specdecode generate -v ...`
+        _add_verbosity_args(command, default=argparse.SUPPRESS)
     return parser
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specdecode import LLM, SamplingParams
+    from specdecode import LLM
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
+    params = sampling_params_from_args(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               speculative_config=speculative_config_from_args(args), quantization=args.quantization)
-    prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = llm.tokenizer.encode(args.prompt)
+    params = fit_to_context(params, args.max_tokens, llm, len(prompt))
     seq = None
     for delta, current in llm.stream(prompt, params):
         seq = current
@@ -133,6 +175,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "serve":  # the server configures logging itself (--log-level)
+        configure_cli_logging(verbosity_level(args.verbose or 0, bool(args.quiet)))
     try:
         if args.command == "fetch":
             from specdecode.fetch import fetch_model

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import sys
 from pathlib import Path
@@ -112,7 +113,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ValueError("--redo and --report-only need --resume (they act on a stored run)")
     summary = run_bench(cfg, _command_line(args))
     print(_short_table(summary))
-    print(f"wrote {args.out}/summary.md, summary.json, records.jsonl and plots", file=sys.stderr)
+    plotted = not args.no_plots and importlib.util.find_spec("matplotlib") is not None
+    print(f"wrote {args.out}/summary.md, summary.json, records.jsonl{' and plots' if plotted else ''}", file=sys.stderr)
     return 0
 
 

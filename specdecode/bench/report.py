@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from specdecode.bench.stats import OVERALL
+from specdecode.extras import missing_extra
+
+logger = logging.getLogger(__name__)
 
 PLOTS = ("speedup_by_task.png", "acceptance_by_position.png", "tokens_per_second.png")
 
@@ -233,8 +237,12 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
 
 
 def write_plots(out: Path, summary: dict[str, Any]) -> list[str]:
-    """The three plots; returns the file names written."""
-    import matplotlib
+    """The three plots; returns the file names written (none, with a warning, without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        logger.warning("plots skipped: %s", missing_extra("bench", exc))
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -14,6 +14,7 @@ import os
 import sys
 
 from specdecode.cli import _add_model_args, speculative_config_from_args
+from specdecode.extras import missing_extra
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,7 +65,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
 
         from specdecode.server.app import build_app
     except ImportError as exc:
-        raise ValueError(f"serving needs fastapi, uvicorn and prometheus_client installed ({exc})") from None
+        raise ValueError(f"specdecode serve: {missing_extra('serve', exc)}") from None
     from specdecode import LLM
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
