@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from specdecode.config import METHODS
 from specdecode.fetch import KNOWN_MODELS, FetchError
-from specdecode.log import configure_cli_logging, verbosity_level
+from specdecode.log import cli_logging, verbosity_level
 
 if TYPE_CHECKING:
     from specdecode.engine.llm import LLM
@@ -175,8 +175,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command != "serve":  # the server configures logging itself (--log-level)
-        configure_cli_logging(verbosity_level(args.verbose or 0, bool(args.quiet)))
+    if args.command == "serve":  # the server configures logging itself (--log-level)
+        return _run(args)
+    with cli_logging(verbosity_level(args.verbose or 0, bool(args.quiet))):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "fetch":
             from specdecode.fetch import fetch_model

@@ -1,5 +1,5 @@
 """The `specdecode` logger: library modules log to children of it (`logging.getLogger(__name__)`) and install
-no handler; the command line installs one (`configure_cli_logging`).
+no handler; the command line installs one while a command runs (`cli_logging`).
 
 Long steps (GGUF conversion, kernel compilation, start-up cost measurement, model loading) log one line with
 their duration through `timed_step`: at INFO when they take `LONG_STEP_SECONDS` or more, or when the step
@@ -13,6 +13,9 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+
+from tqdm.auto import tqdm
 
 LOGGER_NAME = "specdecode"
 LONG_STEP_SECONDS = 1.0
@@ -31,6 +34,14 @@ def timed_step(log: logging.Logger, what: str, *, always: bool = False) -> Itera
     level = logging.INFO if always or seconds >= LONG_STEP_SECONDS else logging.DEBUG
     detail = f", {info['detail']}" if info.get("detail") else ""
     log.log(level, "%s in %.2f s%s", what, seconds, detail)
+
+
+def progress_bar(**kwargs: Any) -> tqdm:
+    """A live tqdm bar on a terminal's stderr for a step of more than a few seconds, erased when it ends (the
+    step's timed log line follows); none when stderr is not a terminal or the `specdecode` logger is set above
+    INFO (`specdecode -q`)."""
+    shown = sys.stderr.isatty() and logger.level <= logging.INFO
+    return tqdm(file=sys.stderr, mininterval=0.5, leave=False, disable=not shown, **kwargs)
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -58,9 +69,6 @@ class _CliFormatter(logging.Formatter):
         return f"specdecode: {message}"
 
 
-_handler: _StderrHandler | None = None
-
-
 def verbosity_level(verbose: int, quiet: bool) -> int:
     """-q: warnings only; default: INFO (the long steps); -v: DEBUG (every step with its time)."""
     if quiet:
@@ -68,12 +76,18 @@ def verbosity_level(verbose: int, quiet: bool) -> int:
     return logging.DEBUG if verbose > 0 else logging.INFO
 
 
-def configure_cli_logging(level: int) -> None:
-    """One stderr handler on the `specdecode` logger (installed once; later calls change its level)."""
-    global _handler
-    if _handler is None:
-        _handler = _StderrHandler()
-        _handler.setFormatter(_CliFormatter())
-        logger.addHandler(_handler)
+@contextmanager
+def cli_logging(level: int) -> Iterator[None]:
+    """A stderr handler on the `specdecode` logger at `level` while a command runs (removed afterwards, so
+    in-process callers such as tests keep their own logging set-up)."""
+    handler = _StderrHandler()
+    handler.setFormatter(_CliFormatter())
+    handler.setLevel(level)
+    previous = logger.level
+    logger.addHandler(handler)
     logger.setLevel(level)
-    _handler.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)

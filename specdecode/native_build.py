@@ -4,10 +4,15 @@ its source and flags (the llama.cpp binding's libstdc++ shim, the weight-only GE
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 from pathlib import Path
+
+from specdecode.log import timed_step
+
+logger = logging.getLogger(__name__)
 
 
 class BuildError(RuntimeError):
@@ -37,10 +42,11 @@ def build_shared(source: str, name: str, flags: list[str], *, cxx: bool = False)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     try:
         src.write_text(source)
-        proc = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(tmp), str(src)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise BuildError(f"building {name} failed: {proc.stderr.strip()[-500:]}")
+        with timed_step(logger, f"compiled {name} (once; cached in {out.parent})", always=True):
+            proc = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(tmp), str(src)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise BuildError(f"building {name} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, out)  # atomic: a concurrent build of the same source wins or loses whole
     finally:
         src.unlink(missing_ok=True)

@@ -45,6 +45,11 @@ def run_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     return err
 
 
+def summary_lines(err: str) -> list[str]:
+    """stderr without the log lines of long steps ("specdecode: loaded ... in 1.20 s" on a slow machine)."""
+    return [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("specdecode: ")]
+
+
 def check_record(rec: dict[str, Any], max_tokens: int) -> None:
     assert set(rec) >= {"text", "token_ids", "stats"}
     assert isinstance(rec["text"], str)
@@ -111,7 +116,7 @@ def test_generate_plain_text_mode(tiny_llama_dir: Path, capsys: pytest.CaptureFi
     out, err = capsys.readouterr()
     assert rc == 0
     assert out == rec["text"]  # streamed text, nothing else on stdout
-    summary = [ln for ln in err.splitlines() if ln.strip()]
+    summary = summary_lines(err)
     assert len(summary) == 1, err
     assert "8 tokens" in summary[0] and "tok/s" in summary[0]
     # With speculation the summary also reports the method's numbers.
@@ -119,8 +124,29 @@ def test_generate_plain_text_mode(tiny_llama_dir: Path, capsys: pytest.CaptureFi
                "--max-tokens", "8", "--ignore-eos", "--method", "ngram", PROMPT])
     out, err = capsys.readouterr()
     assert rc == 0 and out == rec["text"]
-    summary = [ln for ln in err.splitlines() if ln.strip()]
+    summary = summary_lines(err)
     assert len(summary) == 1 and "ngram" in summary[0] and "acceptance" in summary[0]
+
+
+def test_generate_runs_until_the_end_of_the_context_by_default(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --max-tokens: generation runs until EOS, bounded by the context (max_model_len minus the prompt)."""
+    rec = run_json(capsys, "--model", str(tiny_llama_dir), "--max-model-len", "40", "--ignore-eos", PROMPT)
+    assert rec["finish_reason"] == "length"
+    assert rec["stats"]["prompt_tokens"] + len(rec["token_ids"]) == 40
+    capped = run_json(capsys, "--model", str(tiny_llama_dir), "--max-model-len", "40", "--ignore-eos",
+                      "--max-tokens", "5", PROMPT)
+    assert capped["token_ids"] == rec["token_ids"][:5]
+    eos = run_json(capsys, "--model", str(tiny_llama_dir), "--max-model-len", "40", "--stop", rec["text"][8:12],
+                   PROMPT)
+    assert eos["finish_reason"] == "stop" and len(eos["token_ids"]) < len(rec["token_ids"])
+
+
+def test_prompt_that_fills_the_context(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = run_error(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--max-model-len", "8",
+                    PROMPT * 4)
+    assert "fills the context length 8" in err and "--max-model-len" in err
 
 
 # ---- errors: exit code 2, one message, no traceback ---------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from specdecode.fetch import resolve_model
 from specdecode.heads.modules import DraftHead, EagleHead, MedusaHeads
 from specdecode.heads.persist import load_head
 from specdecode.heads.shipped import shipped_head
+from specdecode.log import timed_step
 from specdecode.model.fast_linear import convert_linears, draft_linear_format, target_linear_format
 from specdecode.model.load import (
     LoadedModel,
@@ -37,6 +39,8 @@ from specdecode.proposers.heads import EagleProposer, MedusaProposer
 from specdecode.proposers.ngram import NgramProposer
 from specdecode.sampling import SamplingParams
 from specdecode.tree import MAX_TREE_NODES
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -142,7 +146,9 @@ class LLM:
         self.decoder = SpeculativeDecoder(self.target.model, self.max_model_len, proposer, k_max, fixed,
                                           tree_lookup=lookup)
         if proposer is not None and fixed is None:
-            self.decoder.measure_cost()
+            with timed_step(logger, "measured the target's forward costs (they choose the draft length)") as step:
+                cost = self.decoder.measure_cost()
+                step["detail"] = f"1-token forward {1000 * cost.target_forward_seconds(1):.1f} ms"
 
     def batch_engine(self, max_num_seqs: int = 8, max_waiting: int = 64) -> BatchEngine:
         """A continuous-batching engine over the same weights (for serving); measures its cost at start-up."""
@@ -158,7 +164,8 @@ class LLM:
         check_memory(parts, self.device)
         engine = BatchEngine(self.target.model, self.max_model_len, max_num_seqs, max_waiting,
                              self.proposer_factory, k_max, fixed)
-        engine.measure_cost()
+        with timed_step(logger, f"measured the batch engine's forward costs ({max_num_seqs} rows)"):
+            engine.measure_cost()
         return engine
 
     def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:

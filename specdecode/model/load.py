@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdecode.fetch import models_home, resolve_model
+from specdecode.log import progress_bar, timed_step
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_loader import (
     CorruptModelError,
@@ -28,6 +30,8 @@ from specdecode.model.gguf_loader import (
 )
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
@@ -88,7 +92,8 @@ def _convert_gguf(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> None:
     """Dequantize once and store config, weights and tokenizer under out_dir (atomically)."""
     cfg = config_from_gguf_file(gguf_path)  # the header first: a damaged or unsupported file fails in ms
     reader = open_gguf(gguf_path)
-    tensors = dict(iter_state_dict(reader, cfg, dtype))
+    with progress_bar(total=len(reader.tensors), desc=f"converting {gguf_path.name}", unit="tensor") as bar:
+        tensors = {name: t for name, t in iter_state_dict(reader, cfg, dtype, on_tensor=lambda _: bar.update(1))}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
     try:
@@ -109,7 +114,9 @@ def converted_gguf(path: Path, dtype: torch.dtype) -> tuple[Path, Path]:
     weights = conv / f"model-{_dtype_tag(dtype)}.safetensors"
     if not weights.exists():
         try:
-            _convert_gguf(path, dtype, conv)
+            with timed_step(logger, f"converted {path.name} to {_dtype_tag(dtype)} (once; cached in {conv})",
+                            always=True):
+                _convert_gguf(path, dtype, conv)
         except CorruptModelError:
             _forget_cached(path)
             raise
@@ -163,10 +170,11 @@ def read_config(path: Path) -> ModelConfig:
 
 
 def load_resolved(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    if path.is_dir():
-        model, tok, cfg = _load_hf_dir(path, dtype, device)
-    else:
-        model, tok, cfg = _load_gguf(path, dtype, device)
+    with timed_step(logger, f"loaded {name} ({_dtype_tag(dtype)}, {device})"):
+        if path.is_dir():
+            model, tok, cfg = _load_hf_dir(path, dtype, device)
+        else:
+            model, tok, cfg = _load_gguf(path, dtype, device)
     return LoadedModel(model=model, tokenizer=tok, config=cfg, path=path, name=name)
 
 
