@@ -153,26 +153,40 @@ def test_features_are_the_targets_hidden_states(tiny_llama_dir: Path, tiny_featu
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_training_learns_and_resumes(tiny_llama_dir: Path, tiny_features, tmp_path: Path, kind: str) -> None:
+    """Training lowers the loss on a fixed batch (the first windows, fixed feature noise: no sampling luck), and
+    a run stopped and resumed twice ends with exactly the weights of an uninterrupted one."""
     _, shards = tiny_features
     target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
-    opts = TrainOptions(kind=kind, epochs=12, window=64, batch_windows=4, lr=3e-3, warmup_steps=5,
-                        draft_vocab_size=200, checkpoint_every=5, max_steps=10, unroll_steps=2,
-                        normalize_regression=True)
-    first = train_head(target, shards, tmp_path, opts, always_ids=[2])
-    assert first.config.training["steps"] == 10 and (tmp_path / "checkpoint.pt").exists()
-    opts.max_steps = None
-    head = train_head(target, shards, tmp_path, opts, always_ids=[2])
-    info = json.loads((tmp_path / "training.json").read_text())
-    assert info["resumed_from"] == 10 and info["steps"] == info["total_steps"] > 10
+
+    def options(max_steps: int | None) -> TrainOptions:
+        return TrainOptions(kind=kind, epochs=12, window=64, batch_windows=4, lr=3e-3, warmup_steps=5,
+                            draft_vocab_size=200, checkpoint_every=5, max_steps=max_steps, unroll_steps=2,
+                            normalize_regression=True)
+
+    def record(out: Path) -> dict:
+        return json.loads((out / "training.json").read_text())
+
+    resumed, straight = tmp_path / "resumed", tmp_path / "straight"
+    train_head(target, shards, resumed, options(0), always_ids=[2])  # no step: the initial head
+    untrained = record(resumed)["fixed_batch_loss"]
+    assert untrained["start"] == untrained["end"] and untrained["windows"] > 0
+    assert train_head(target, shards, resumed, options(7), always_ids=[2]).config.training["steps"] == 7
+    head = train_head(target, shards, resumed, options(20), always_ids=[2])
+    assert record(resumed)["resumed_from"] == 7 and (resumed / "checkpoint.pt").exists()
+    ref = train_head(target, shards, straight, options(20), always_ids=[2])
+    assert record(straight)["fixed_batch_loss"]["start"] == untrained["start"]  # the same initial head
+    for name, value in ref.saved_state().items():  # stopped and resumed mid-pass = never stopped
+        assert torch.equal(head.saved_state()[name], value), name
+    assert record(resumed)["fixed_batch_loss"]["end"] == record(straight)["fixed_batch_loss"]["end"]
+
+    head = train_head(target, shards, resumed, options(None), always_ids=[2])  # on to the end
+    info = record(resumed)
+    assert info["resumed_from"] == 20 and info["steps"] == info["total_steps"] > 100
     assert 2 in head.d2t.tolist()  # EOS is always in the draft vocabulary
-    first, last = info["first_steps"], info["last_steps"]  # of the resumed run (its first steps learnt already)
-    assert last["loss"] < 0.9 * first["loss"], (first, last)
-    top1 = "top1" if kind == "eagle" else "top1_0"
-    assert last[top1] > 1.2 * first[top1], (first, last)
-    if kind == "eagle":  # the next feature is learnt fast; Medusa's two-ahead guess is hard on a random model
-        assert last[top1] > 0.1  # chance is 1/200
+    # Measured: EAGLE 3.0 -> 1.7, Medusa 20.3 -> 16.4 (its two-ahead guesses are hard on a random model).
+    assert info["fixed_batch_loss"]["end"] < (0.75 if kind == "eagle" else 0.9) * untrained["start"], info
     # The trained head drives decoding and output stays exact.
-    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": kind, "model": str(tmp_path)})
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": kind, "model": str(resumed)})
     base = LLM(str(tiny_llama_dir), dtype="fp32")
     prompts = tiny_prompts(base)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in base.generate(prompts, GREEDY)]

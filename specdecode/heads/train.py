@@ -7,8 +7,12 @@ A fused-feature head (EAGLE-3 style) reads the target's captured layers through 
 first step and its own predictions after it, so it needs `unroll_steps` >= 2 to learn the second kind.
 Medusa (feature t -> token t+2+i for head i): cross-entropy against the target's greedy tokens.
 
-Checkpoints (weights, optimizer, step, RNG) are written every `checkpoint_every` steps and at the end;
-a rerun with the same output directory resumes from the last one.
+Checkpoints (weights, optimizer, step, RNG, the rest of the shuffled pass) are written every
+`checkpoint_every` steps and at the end; a rerun with the same output directory resumes from the last one
+and ends with the weights an uninterrupted run reaches.
+
+Each run records the loss on a fixed batch (the first `EVAL_WINDOWS` windows, fixed feature noise) at its
+start and end: unlike the per-step losses of shuffled batches, it compares runs and steps directly.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from specdecode.heads.vocab import choose_draft_vocab, widen_draft_vocab
 from specdecode.model.transformer import Transformer
 
 CHECKPOINT = "checkpoint.pt"
+EVAL_WINDOWS = 16
 
 
 @dataclass
@@ -190,6 +195,22 @@ def medusa_loss(head: MedusaHeads, batch: tuple[torch.Tensor, ...], t2d: torch.T
     return total, stats
 
 
+def fixed_batch_loss(head: DraftHead, corpus: Corpus, t2d: torch.Tensor, opts: TrainOptions,
+                     feature_scale: torch.Tensor, autocast: bool) -> float:
+    """Mean training loss over the first EVAL_WINDOWS windows with feature noise from a fixed seed; touches
+    neither the weights nor the training's random state."""
+    loss_fn = eagle_loss if opts.kind == "eagle" else medusa_loss
+    gen = torch.Generator().manual_seed(0)
+    windows = corpus.windows[:EVAL_WINDOWS]
+    total = 0.0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for i in range(0, len(windows), opts.batch_windows):
+            picks = windows[i : i + opts.batch_windows]
+            loss, _ = loss_fn(head, window_batch(corpus, picks), t2d, opts, gen, feature_scale)  # type: ignore[arg-type]
+            total += loss.item() * len(picks)
+    return total / max(1, len(windows))
+
+
 def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
@@ -243,6 +264,7 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
         step = resumed_from = ckpt["step"]
         rng.setstate(ckpt["rng"])
         gen.set_state(ckpt["gen"])
+    order: list[tuple[int, int]] = [tuple(w) for w in ckpt.get("order", [])] if ckpt else []  # type: ignore[misc]
 
     def lr_at(s: int) -> float:  # linear warm-up, cosine decay to 10%
         if s < opts.warmup_steps:
@@ -253,7 +275,7 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
     def save_checkpoint() -> None:
         tmp = ckpt_path.with_suffix(".partial")
         torch.save({"head": head.saved_state(), "optimizer": opt.state_dict(), "step": step, "d2t": d2t,
-                    "rng": rng.getstate(), "gen": gen.get_state()}, tmp)
+                    "rng": rng.getstate(), "gen": gen.get_state(), "order": order}, tmp)
         tmp.rename(ckpt_path)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -261,8 +283,9 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
     # Per-dimension spread of the target's features (a sample of positions is plenty).
     sample = corpus.hidden[:: max(1, len(corpus.hidden) // 20000)].float()
     feature_scale = sample.std(0).clamp(min=1e-3) if opts.normalize_regression else torch.ones(sample.shape[1])
+    autocast = target.device.type == "cpu"
+    eval_start = fixed_batch_loss(head, corpus, t2d, opts, feature_scale, autocast)
     started = time.monotonic()
-    order: list[tuple[int, int]] = []
     bar = progress_bar(total=total_steps, initial=step, desc=f"train {opts.kind} head", unit="step")
     last: dict[str, float] = {}
     history: list[dict[str, float]] = []  # this run's per-step losses (the summary uses the first/last 20)
@@ -278,7 +301,7 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
         picks, order = order[: opts.batch_windows], order[opts.batch_windows :]
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=target.device.type == "cpu"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss, last = loss_fn(head, window_batch(corpus, picks), t2d, opts, gen, feature_scale)  # type: ignore[arg-type]
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -292,11 +315,13 @@ def train_head(target: Transformer, shard_files: list[Path], out_dir: Path, opts
             save_checkpoint()
     bar.close()
     save_checkpoint()
+    eval_end = fixed_batch_loss(head, corpus, t2d, opts, feature_scale, autocast)
     head.eval()
     head.config.training = {
         "steps": step, "total_steps": total_steps, "resumed_from": resumed_from, "windows": len(corpus.windows),
         "positions": int(corpus.tokens.numel()), "options": {k: v for k, v in vars(opts).items()},
         "first_steps": _mean(history[:20]), "last_steps": _mean(history[-20:]), "data": data_info or {},
+        "fixed_batch_loss": {"windows": min(EVAL_WINDOWS, len(corpus.windows)), "start": eval_start, "end": eval_end},
     }
     if init_training:
         head.config.training["init_from_training"] = init_training
