@@ -134,8 +134,8 @@ def test_fused_head_trains_and_drives_exact_decoding(tiny_llama_dir: Path, fused
                         ce_weight=1.0, max_steps=40)
     head = train_head(target, fused_features, tmp_path / "fused", opts, always_ids=[2])
     info = head.config.training
-    first, last = info["first_steps"], info["last_steps"]
-    assert last["loss"] < 0.9 * first["loss"] and last["top1"] > 1.2 * first["top1"], (first, last)
+    loss = info["fixed_batch_loss"]  # the same windows and feature noise before and after: no sampling luck
+    assert loss["end"] < 0.8 * loss["start"], loss  # measured 14.8 -> 9.9
     assert head.config.feature_layers == LAYERS
     spec = {"method": "eagle", "model": str(tmp_path / "fused")}
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
