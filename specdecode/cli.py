@@ -101,7 +101,8 @@ def fit_to_context(params: SamplingParams, max_tokens: int | None, llm: LLM, pro
 def _add_verbosity_args(p: argparse.ArgumentParser, default: Any) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("-v", "--verbose", action="count", default=default,
-                       help="also log quick steps with their times (DEBUG); long steps are logged by default")
+                       help="also log quick steps with their times (DEBUG); long steps are logged by default "
+                            "(serve: --log-level)")
     group.add_argument("-q", "--quiet", action="store_true", default=default, help="log warnings and errors only")
 
 
@@ -132,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.heads.cli import add_train_head_parser
 
     add_train_head_parser(sub)
-    for command in sub.choices.values():  # also after the command: `specdecode generate -v ...`
-        _add_verbosity_args(command, default=argparse.SUPPRESS)
+    for name, command in sub.choices.items():  # also after the command: `specdecode generate -v ...`
+        if name != "serve":  # the server has --log-level
+            _add_verbosity_args(command, default=argparse.SUPPRESS)
     return parser
 
 
