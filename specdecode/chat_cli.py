@@ -115,10 +115,14 @@ class ChatSession:
         out.flush()
 
     def _prompt_ids(self) -> list[int] | None:
-        """The templated conversation, its oldest exchanges dropped while it leaves no room for a reply."""
+        """The templated conversation; its oldest exchanges are dropped while it leaves less room for the reply
+        than --max-tokens (without it, a quarter of the context). None if the last message alone does not fit."""
+        max_len = self.llm.max_model_len
+        reserve = max(1, min(self.max_tokens or max_len // 4, max_len // 2))
         while True:
             ids = self.llm.chat_prompt_ids(self.system + self.history)
-            if len(ids) < self.llm.max_model_len:
+            room = max_len - len(ids)
+            if room >= reserve or (len(self.history) <= 1 and room >= 1):
                 return ids
             if len(self.history) <= 1:
                 return None
