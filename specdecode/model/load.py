@@ -93,7 +93,7 @@ def _convert_gguf(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> None:
     cfg = config_from_gguf_file(gguf_path)  # the header first: a damaged or unsupported file fails in ms
     reader = open_gguf(gguf_path)
     with progress_bar(total=len(reader.tensors), desc=f"converting {gguf_path.name}", unit="tensor") as bar:
-        tensors = {name: t for name, t in iter_state_dict(reader, cfg, dtype, on_tensor=lambda _: bar.update(1))}
+        tensors = dict(iter_state_dict(reader, cfg, dtype, on_tensor=lambda _: bar.update(1)))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
     try:
@@ -113,6 +113,7 @@ def converted_gguf(path: Path, dtype: torch.dtype) -> tuple[Path, Path]:
     conv = _converted_dir(path)
     weights = conv / f"model-{_dtype_tag(dtype)}.safetensors"
     if not weights.exists():
+        logger.info("converting %s to %s on first use (dequantizing every tensor once)", path.name, _dtype_tag(dtype))
         try:
             with timed_step(logger, f"converted {path.name} to {_dtype_tag(dtype)} (once; cached in {conv})",
                             always=True):
