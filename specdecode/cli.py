@@ -13,8 +13,12 @@ from specdecode.fetch import KNOWN_MODELS, FetchError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
-                   help="target: alias, .gguf file or HF directory (default: %(default)s)")
+    from specdecode.hub import MODEL_ACTION, add_hub_args
+
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", action=MODEL_ACTION,
+                   help="target: alias, .gguf file, HF directory or HF id ORG/NAME[@REVISION][:FILE.gguf] "
+                        "(default: %(default)s)")
+    add_hub_args(p)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="target precision")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None, help="context to allocate (default 8192)")
