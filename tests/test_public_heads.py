@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import _save_tokenizer
 from safetensors.torch import save_file
 from test_hub import put_in_cache
-from tiny_helpers import GREEDY, tiny_prompts
+from tiny_helpers import GREEDY, run_batched, tiny_prompts
 
 from specdecode import LLM
 from specdecode.heads.modules import IncompatibleHeadError
@@ -50,12 +50,15 @@ def _layer_weights(prefix: str, in_dim: int) -> dict[str, torch.Tensor]:
     }
 
 
-def write_eagle1(out: Path, seed: int = 0, bin_file: bool = True, **cfg: object) -> Path:
-    """SafeAILab EAGLE-1/2 layout: fc over concat(embedding, feature), layers.0.* without input_layernorm."""
+def write_eagle1(out: Path, seed: int = 0, bin_file: bool = True, own_embed: bool = False, **cfg: object) -> Path:
+    """SafeAILab EAGLE-1/2 layout: fc over concat(embedding, feature), layers.0.* without input_layernorm;
+    own_embed: the checkpoint carries embed_tokens.weight (EAGLE loads it over the target's)."""
     torch.manual_seed(seed)
     out.mkdir(parents=True)
     hidden = int(cfg.get("hidden_size", D))  # type: ignore[call-overload]
     state = {"fc.weight": _rand(hidden, 2 * hidden), "fc.bias": _rand(hidden), **_layer_weights("layers.0.", D)}
+    if own_embed:
+        state["embed_tokens.weight"] = _rand(VOCAB, D, scale=1.0)
     (out / "config.json").write_text(json.dumps(_llama_cfg(**cfg)))
     if bin_file:
         torch.save(state, out / "pytorch_model.bin")
@@ -184,10 +187,12 @@ def _spec(head: Path | str, method: str = "eagle", **kw: object) -> dict[str, ob
 # ---- EAGLE-1/2 ------------------------------------------------------------------------------------------------
 
 
-def test_eagle1_matches_published_maths(target, tmp_path: Path) -> None:  # noqa: ANN001
-    path = write_eagle1(tmp_path / "eagle")
+@pytest.mark.parametrize("own_embed", [False, True])
+def test_eagle1_matches_published_maths(target, tmp_path: Path, own_embed: bool) -> None:  # noqa: ANN001
+    path = write_eagle1(tmp_path / "eagle", own_embed=own_embed)
     head = load_head(path, target, kind="eagle")
     assert isinstance(head, Eagle1Head) and head.config.feature_layers == []
+    assert (head.own_embed is not None) == own_embed
     s = torch.load(path / "pytorch_model.bin", weights_only=True)
     torch.manual_seed(1)
     t = 7
@@ -195,7 +200,7 @@ def test_eagle1_matches_published_maths(target, tmp_path: Path) -> None:  # noqa
     with torch.no_grad():
         out = head(feats[None], toks[None], torch.arange(t)[None])[0]
         logits = head.full_logits(out)
-    emb = target.model.embed_tokens.weight[toks]
+    emb = (s["embed_tokens.weight"] if own_embed else target.model.embed_tokens.weight)[toks]
     want_h, want_logits = eagle1_reference(s, emb, feats, target.lm_head.weight)
     torch.testing.assert_close(out, want_h, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-4)
@@ -304,6 +309,14 @@ def test_medusa_greedy_equals_plain(plain_tiny, tiny_llama_dir: Path, tmp_path: 
         outs = llm.generate(tiny_prompts(base), GREEDY)
         assert [o.token_ids for o in outs] == want
         assert outs[0].metrics["draft_tokens"] > 0
+
+
+def test_public_heads_in_continuous_batching(plain_tiny, tiny_llama_dir: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    base, want = plain_tiny
+    for path, method in ((write_eagle1(tmp_path / "eagle"), "eagle"), (write_medusa(tmp_path / "medusa"), "medusa")):
+        llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=_spec(path, method))
+        seqs = run_batched(llm, tiny_prompts(base), GREEDY)
+        assert [s.output_ids for s in seqs] == want
 
 
 # ---- from a Hugging Face id; refusals --------------------------------------------------------------------------
