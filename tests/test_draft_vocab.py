@@ -84,3 +84,14 @@ def test_draft_with_another_tokenizer_is_refused_naming_both_sizes(tiny_llama_di
         LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=draft(other))
     msg = str(info.value)
     assert f"{n} tokens" in msg and "320" in msg and str(other) in msg and str(tiny_llama_dir) in msg
+
+
+def test_padded_draft_when_sampling(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from specdecode import SamplingParams
+
+    padded = padded_copy(tiny_llama_dir, tmp_path / "padded", 64)
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=draft(padded))
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=3, ignore_eos=True)
+    outs = llm.generate(tiny_prompts(llm), params)
+    assert all(len(o.token_ids) == 24 and max(o.token_ids) < 320 for o in outs)
+    assert outs[0].metrics["accepted_tokens"] > 0
