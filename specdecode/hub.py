@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specdecode.fetch import UnknownModelError
+
 __all__ = ["HubRef", "ModelNotCachedError", "add_hub_args", "hub_cache_dir", "is_hub_id", "parse_hub_id",
            "resolve_hub"]
 
@@ -26,13 +28,7 @@ HEAD_FILES = [*MODEL_FILES, "*.bin", "*.pt"]
 """Public EAGLE / Medusa heads ship `pytorch_model.bin` or `medusa_lm_head.pt` as often as safetensors."""
 
 
-def _unknown_error() -> type[ValueError]:
-    from specdecode.fetch import UnknownModelError
-
-    return UnknownModelError
-
-
-class ModelNotCachedError(ValueError):
+class ModelNotCachedError(UnknownModelError):
     """A Hugging Face id that is not in the local cache while the Hub cannot be reached."""
 
 
@@ -49,8 +45,8 @@ class HubRef:
 
 def parse_hub_id(name: str) -> HubRef | None:
     m = _ID.match(name)
-    if m is None or ".." in m["repo"]:
-        return None
+    if m is None or ".." in m["repo"] or m["repo"].lower().endswith(".gguf"):
+        return None  # "dir/model.gguf" is a (missing) local file, not a repo
     return HubRef(m["repo"], m["rev"], m["file"])
 
 
@@ -98,16 +94,16 @@ def _hub_call(ref: HubRef, fn: Any, **kw: Any) -> Path:
     try:
         return Path(fn(repo_id=ref.repo, revision=ref.revision, cache_dir=str(cache), local_files_only=offline, **kw))
     except errors.RepositoryNotFoundError:
-        raise _unknown_error()(f"no model {ref.repo!r} on the Hugging Face Hub (or it is private or gated: log in "
+        raise UnknownModelError(f"no model {ref.repo!r} on the Hugging Face Hub (or it is private or gated: log in "
                                "with `hf auth login`)") from None
     except errors.RevisionNotFoundError:
-        raise _unknown_error()(f"{ref.repo!r} has no revision {ref.revision!r} on the Hugging Face Hub") from None
+        raise UnknownModelError(f"{ref.repo!r} has no revision {ref.revision!r} on the Hugging Face Hub") from None
     except errors.LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub cannot be reached"
-        raise ModelNotCachedError(f"{ref} is not in the local Hugging Face cache ({cache}) and {why}; "
-                                  f"{_fetch_hint(ref)}") from None
+        raise ModelNotCachedError(f"{ref} is not a local path, nor in the local Hugging Face cache ({cache}), and "
+                                  f"{why}; {_fetch_hint(ref)}") from None
     except errors.EntryNotFoundError:
-        raise _unknown_error()(f"{ref.repo!r} has no file {kw.get('filename')!r}") from None
+        raise UnknownModelError(f"{ref.repo!r} has no file {kw.get('filename')!r}") from None
 
 
 def _gguf_files(ref: HubRef, snapshot: Path | None) -> list[str]:
@@ -128,7 +124,7 @@ def resolve_hub(name: str | HubRef, allow_patterns: list[str] | None = None) -> 
 
     ref = parse_hub_id(name) if isinstance(name, str) else name
     if ref is None:
-        raise _unknown_error()(f"{name!r} is not a Hugging Face id (ORG/NAME, ORG/NAME@REVISION, ORG/NAME:FILE.gguf)")
+        raise UnknownModelError(f"{name!r} is not a Hugging Face id (ORG/NAME, ORG/NAME@REVISION, ORG/NAME:FILE.gguf)")
     if ref.gguf_file:
         return _hub_call(ref, hf_hub_download, filename=ref.gguf_file)
     snapshot = _hub_call(ref, snapshot_download, allow_patterns=allow_patterns or MODEL_FILES)
@@ -141,9 +137,9 @@ def resolve_hub(name: str | HubRef, allow_patterns: list[str] | None = None) -> 
         return _hub_call(HubRef(ref.repo, ref.revision, ggufs[0]), hf_hub_download, filename=ggufs[0])
     if ggufs:
         shown = ", ".join(ggufs[:12]) + (", ..." if len(ggufs) > 12 else "")
-        raise _unknown_error()(f"{ref} holds {len(ggufs)} GGUF files ({shown}); choose one with {ref.repo}:FILE.gguf "
+        raise UnknownModelError(f"{ref} holds {len(ggufs)} GGUF files ({shown}); choose one with {ref.repo}:FILE.gguf "
                                "or --gguf-file FILE.gguf")
-    raise _unknown_error()(f"{ref} ({snapshot}) has neither config.json with *.safetensors nor a .gguf file")
+    raise UnknownModelError(f"{ref} ({snapshot}) has neither config.json with *.safetensors nor a .gguf file")
 
 
 class _ModelPart(argparse.Action):

@@ -53,7 +53,8 @@ def test_parse_hub_id() -> None:
     ref = parse_hub_id("Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF@v1:qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
     assert ref is not None and ref.revision == "v1" and ref.gguf_file.endswith("q4_k_m.gguf")
     assert str(ref) == "Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF@v1:qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-    for not_id in ("/abs/path", "./rel/dir", "model.gguf", "qwen2.5-coder-1.5b-instruct", "a/b/c", "../x"):
+    for not_id in ("/abs/path", "./rel/dir", "model.gguf", "qwen2.5-coder-1.5b-instruct", "a/b/c", "../x",
+                   "models/missing.gguf"):
         assert parse_hub_id(not_id) is None, not_id
 
 
@@ -83,9 +84,9 @@ def test_missing_hub_id_says_not_cached_and_how_to_fetch(hub: Path) -> None:
     with pytest.raises(ModelNotCachedError) as info:
         LLM(model="org/absent", dtype="fp32", device="cpu")
     msg = str(info.value)
-    assert "org/absent" in msg and "not in the local Hugging Face cache" in msg and str(hub) in msg
+    assert "org/absent" in msg and "nor in the local Hugging Face cache" in msg and str(hub) in msg
     assert "HF_HUB_OFFLINE" in msg and "hf download org/absent" in msg
-    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, UnknownModelError) and isinstance(info.value, ValueError)
     with pytest.raises(ModelNotCachedError, match="org/absent@v9"):
         resolve_model("org/absent@v9")
 
