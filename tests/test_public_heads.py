@@ -59,6 +59,7 @@ def write_eagle1(out: Path, seed: int = 0, bin_file: bool = True, own_embed: boo
     state = {"fc.weight": _rand(hidden, 2 * hidden), "fc.bias": _rand(hidden), **_layer_weights("layers.0.", D)}
     if own_embed:
         state["embed_tokens.weight"] = _rand(VOCAB, D, scale=1.0)
+        state["layers.0.self_attn.rotary_emb.inv_freq"] = 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16)
     (out / "config.json").write_text(json.dumps(_llama_cfg(**cfg)))
     if bin_file:
         torch.save(state, out / "pytorch_model.bin")

@@ -59,7 +59,9 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
             part = torch.load(str(f), map_location="cpu", weights_only=True)
             if not isinstance(part, dict):
                 raise IncompatibleHeadError(f"{f} is not a state dict")
-        state.update({k: v for k, v in part.items() if isinstance(v, torch.Tensor)})
+        # Rope tables some older checkpoints saved: recomputed from the config, as EAGLE's own code does.
+        state.update({k: v for k, v in part.items()
+                      if isinstance(v, torch.Tensor) and not k.endswith("rotary_emb.inv_freq")})
     return state
 
 
