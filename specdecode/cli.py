@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from specdecode.config import METHODS
@@ -49,9 +48,9 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         cfg.setdefault("method", "draft")
         cfg["model"] = args.draft
     if getattr(args, "head", None):
-        from specdecode.heads.persist import read_head_config
+        from specdecode.heads.persist import head_kind
 
-        cfg.setdefault("method", read_head_config(Path(args.head).expanduser()).kind)
+        cfg.setdefault("method", head_kind(args.head))  # ours, a public EAGLE/Medusa checkpoint, or an HF id
         cfg["model"] = args.head
     if args.method:
         cfg["method"] = args.method

@@ -74,6 +74,18 @@ def resolve_head_path(name: str | Path) -> Path:
     return path
 
 
+def head_kind(name: str | Path) -> str:
+    """"eagle" or "medusa" for a head directory of ours, a public checkpoint or a Hugging Face id (`--head`)."""
+    from specdecode.heads.public import is_public_head_dir
+
+    path = resolve_head_path(name)
+    if not is_public_head_dir(path):
+        return read_head_config(path).kind
+    hf = json.loads((path / CONFIG).read_text()) if (path / CONFIG).exists() else {}
+    medusa = "medusa_num_heads" in hf or any(path.glob("medusa_lm_head*"))
+    return "medusa" if medusa else "eagle"
+
+
 def new_head(target: Transformer, kind: str, d2t: torch.Tensor, intermediate_size: int | None = None,
              num_medusa_heads: int = 4, seed: int = 0, feature_layers: list[int] | None = None) -> DraftHead:
     """A freshly initialised fp32 head for this target over the draft vocabulary d2t [Vd] (sorted ids);
