@@ -25,7 +25,7 @@ from specdecode.model.load import load_model
 
 D, HEADS, KV, FF = 64, 4, 2, 96  # the tiny targets' shapes (conftest); FF: the head's own MLP width
 VOCAB = 320
-DRAFT_VOCAB = 100
+DRAFT_VOCAB = 96  # a multiple of 16: bf16 runs pack a head's rows for torch's int4 kernel
 
 
 def _llama_cfg(**kw: object) -> dict[str, object]:
@@ -375,3 +375,15 @@ def test_cli_head_shorthand_reads_the_kind_of_public_heads(tmp_path: Path) -> No
                                                                   "medusa")):
         cfg = speculative_config_from_args(p.parse_args(["--head", str(path)]))
         assert cfg == {"method": kind, "model": str(path)}
+
+
+def test_public_heads_run_in_bf16(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The default precision: the heads' linears take this CPU's draft formats (int4 / int8 / bf16 packing)."""
+    from specdecode import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for path, method in ((write_eagle1(tmp_path / "e1"), "eagle"), (write_eagle3(tmp_path / "e3", [0, 1, 2]), "eagle"),
+                         (write_medusa(tmp_path / "m"), "medusa")):
+        llm = LLM(str(tiny_llama_dir), dtype="bf16", speculative_config=_spec(path, method))
+        out = llm.generate("def add(a, b):", params)[0]
+        assert len(out.token_ids) == 12 and out.metrics["draft_tokens"] > 0

@@ -169,8 +169,7 @@ class PublicMedusaHeads(MedusaHeads):
 
     def attach(self, target: Transformer) -> PublicMedusaHeads:
         super().attach(target)
-        self.lm_head.weight = nn.Parameter(self.lm_head.weight.new_zeros(0, self.config.hidden_size),
-                                           requires_grad=False)  # unused: each head has its own rows
+        self.lm_head = nn.Identity()  # type: ignore[assignment]  # unused: each head has its own rows
         self._rows_are_embeddings = False
         return self
 
