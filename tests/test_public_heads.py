@@ -356,6 +356,12 @@ def test_heads_that_do_not_fit_the_target_are_refused(target, tmp_path: Path) ->
             load_head(path, target)
     with pytest.raises(IncompatibleHeadError, match="public medusa head, not a eagle head"):
         load_head(write_medusa(tmp_path / "kind"), target, kind="eagle")
+    no_bias = write_medusa(tmp_path / "m_nobias")
+    state = torch.load(no_bias / "medusa_lm_head.pt", weights_only=True)
+    del state["1.0.linear.bias"]
+    torch.save(state, no_bias / "medusa_lm_head.pt")
+    with pytest.raises(IncompatibleHeadError, match=r"lacks \['1\.0\.linear\.bias'\]"):
+        load_head(no_bias, target)
     junk = tmp_path / "junk"
     junk.mkdir()
     save_file({"something.weight": torch.zeros(2)}, str(junk / "model.safetensors"))

@@ -315,10 +315,12 @@ def _medusa(state: dict[str, torch.Tensor], hf: dict[str, Any], target: Transfor
                                                      for k in state))
     state = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
     found = sorted({int(m[1]) for k in state if (m := re.fullmatch(r"(\d+)\.0\.linear\.weight", k))})
-    heads = int(hf.get("medusa_num_heads", len(found)))
+    # Medusa's own loader takes the heads the weights hold (its uploaded configs under-count them).
+    heads = len(found)
     n_layers = int(hf.get("medusa_num_layers", 1))
-    if found != list(range(len(found))) or len(found) < heads:
-        raise IncompatibleHeadError(f"{path}: config says {heads} Medusa heads but the weights hold heads {found}")
+    if found != list(range(heads)) or heads < int(hf.get("medusa_num_heads", heads)):
+        raise IncompatibleHeadError(f"{path}: config says {hf.get('medusa_num_heads')} Medusa heads but the weights "
+                                    f"hold heads {found}")
     w = state["0.0.linear.weight"]
     _check("hidden size", w.shape[1], tc.hidden_size, path, "Medusa")
     out = state.get(f"0.{n_layers}.weight")
@@ -329,13 +331,13 @@ def _medusa(state: dict[str, torch.Tensor], hf: dict[str, Any], target: Transfor
     cfg = medusa_config(tc, target_fingerprint(target), tc.vocab_size, heads)
     cfg.training = {"source": "public Medusa checkpoint", "path": str(path)}
     head = PublicMedusaHeads(cfg, n_layers)
-    mapped = {}
-    for i in range(heads):
-        for j in range(n_layers):
-            for p in ("weight", "bias"):
-                mapped[f"blocks.{i}.{j}.linear.{p}"] = state[f"{i}.{j}.linear.{p}"]
-        mapped[f"outputs.{i}.weight"] = state[f"{i}.{n_layers}.weight"]
-    _load_strict(head, mapped, path, "Medusa")
+    names = {f"blocks.{i}.{j}.linear.{p}": f"{i}.{j}.linear.{p}"
+             for i in range(heads) for j in range(n_layers) for p in ("weight", "bias")}
+    names.update({f"outputs.{i}.weight": f"{i}.{n_layers}.weight" for i in range(heads)})
+    absent = sorted(prefix + theirs for theirs in names.values() if theirs not in state)
+    if absent:
+        raise IncompatibleHeadError(f"{path}: the Medusa checkpoint lacks {absent} (medusa_num_layers {n_layers})")
+    _load_strict(head, {ours: state[theirs] for ours, theirs in names.items()}, path, "Medusa")
     return head
 
 
