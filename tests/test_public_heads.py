@@ -68,7 +68,8 @@ def write_eagle1(out: Path, seed: int = 0, bin_file: bool = True, own_embed: boo
     return out
 
 
-def write_eagle3(out: Path, layers: list[int] | None, seed: int = 0, vocab: int = VOCAB) -> Path:
+def write_eagle3(out: Path, layers: list[int] | None, seed: int = 0, vocab: int = VOCAB,
+                 layer_prefix: str = "midlayer.") -> Path:
     """SafeAILab EAGLE-3 layout: fc over 3 fused layers, midlayer.* (q/k/v over 2D), norm, own lm_head over a
     draft vocabulary, d2t (target id - draft row) and t2d."""
     torch.manual_seed(seed)
@@ -84,6 +85,8 @@ def write_eagle3(out: Path, layers: list[int] | None, seed: int = 0, vocab: int 
     if layers is not None:
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layers}
     (out / "config.json").write_text(json.dumps(cfg))
+    state = {(layer_prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
+             for k, v in state.items()}
     save_file(state, str(out / "model.safetensors"))
     return out
 
@@ -231,13 +234,15 @@ def test_eagle1_without_fc_bias(target, tmp_path: Path) -> None:  # noqa: ANN001
 # ---- EAGLE-3 --------------------------------------------------------------------------------------------------
 
 
-def test_eagle3_matches_published_maths(tiny_llama_dir: Path, target, tmp_path: Path) -> None:  # noqa: ANN001
-    path = write_eagle3(tmp_path / "eagle3", layers=[0, 1, 2])
+@pytest.mark.parametrize("layer_prefix", ["midlayer.", "layers.0."])  # SafeAILab's name, vLLM/speculators'
+def test_eagle3_matches_published_maths(target, tmp_path: Path, layer_prefix: str) -> None:  # noqa: ANN001
+    path = write_eagle3(tmp_path / "eagle3", layers=[0, 1, 2], layer_prefix=layer_prefix)
     head = load_head(path, target, kind="eagle")
     assert isinstance(head, Eagle3Head) and head.config.feature_layers == [0, 1, 2]
     from safetensors.torch import load_file
 
-    s = load_file(str(path / "model.safetensors"))
+    s = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
+         for k, v in load_file(str(path / "model.safetensors")).items()}
     assert torch.equal(head.d2t, s["d2t"] + torch.arange(DRAFT_VOCAB))
     assert torch.equal(head.d2t, torch.nonzero(s["t2d"])[:, 0])
     torch.manual_seed(2)

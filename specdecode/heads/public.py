@@ -71,8 +71,8 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def detect_layout(state: dict[str, torch.Tensor]) -> str:
-    if any(k.startswith("midlayer.") for k in state):
-        return "eagle3"
+    if any(k.startswith("midlayer.") or k.endswith("hidden_norm.weight") for k in state):
+        return "eagle3"  # SafeAILab's midlayer.*, or layers.0.* as vLLM / speculators name it
     if "fc.weight" in state and any(k.startswith("layers.0.") for k in state):
         return "eagle"
     if any(re.fullmatch(rf"{re.escape(p)}\d+\.0\.linear\.weight", k) for k in state for p in _MEDUSA_PREFIXES):
@@ -275,6 +275,8 @@ def _eagle3(state: dict[str, torch.Tensor], hf: dict[str, Any], target: Transfor
         raise IncompatibleHeadError(f"{path}: qkv_bias in an EAGLE-3 head is not supported")
     head = Eagle3Head(cfg, tc.vocab_size, own_embed="embed_tokens.weight" in state)
     mapped: dict[str, torch.Tensor] = {}
+    state = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
+             for k, v in state.items()}
     for k, v in state.items():
         if k == "fc.weight":
             mapped["fuse.weight"] = v
