@@ -8,7 +8,7 @@
   2, L//2 and L-3 (or `eagle_config.eagle_aux_hidden_state_layer_ids`); `midlayer` attends over
   concat(input_layernorm(embedding), hidden_norm(h)) (q/k/v take 2D), residual h, then the usual MLP block.
   Its output h' is the next feature; logits = its own `lm_head`(norm(h')) over the draft vocabulary, draft row i
-  being target id i + d2t[i].
+  being target id i + d2t[i]. The decoder layer may be named `layers.0.*` (vLLM / speculators) instead.
 - Medusa (FasterDecoding): head i = Sequential(ResBlock x medusa_num_layers, Linear(D, V, no bias)), ResBlock
   x + SiLU(linear(x)), on the target's final-norm hidden state; keys `{i}.{j}.linear.weight/bias` and
   `{i}.{num_layers}.weight`, bare (`medusa_lm_head.pt`) or prefixed (`medusa_head.`, `medusa_lm_head.`).
