@@ -503,6 +503,11 @@ def build_app(
             ctx = detail.get("ctx") or {}
             return error_response(metrics, 400, f"the body is not valid JSON: {ctx.get('error', detail['msg'])}",
                                   None, "invalid_json")
+        unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+        if unknown:
+            names = [_param_from_loc(tuple(e.get("loc", ()))) or "body" for e in unknown]
+            return error_response(metrics, 400, f"Unrecognized request argument supplied: {', '.join(names)}",
+                                  names[0], "unrecognized_argument")
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         param = _param_from_loc(tuple(first.get("loc", ())))
         if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
