@@ -328,7 +328,9 @@ def test_schemathesis_finds_no_server_errors(server: LiveServer) -> None:
     schema = schemathesis.openapi.from_dict(httpx.get(server.base_url + "/openapi.json",
                                                       headers=server.headers).json())
     statuses: list[int] = []
-    for path, method, examples in ((COMPLETIONS, "POST", 40), (CHAT, "POST", 40), ("/v1/models", "GET", 3)):
+    operations = ((COMPLETIONS, "POST", 40), (CHAT, "POST", 40), ("/v1/models", "GET", 3),
+                  ("/tokenize", "POST", 15), ("/detokenize", "POST", 15))
+    for path, method, examples in operations:
         operation = schema[path][method]
 
         @settings(max_examples=examples, deadline=None, database=None, derandomize=True,

@@ -235,3 +235,37 @@ class ErrorInfo(_Model):
 
 class ErrorResponse(_Model):
     error: ErrorInfo
+
+
+# ---- tokenizer endpoints (vLLM's shapes) ---------------------------------------------------------------
+
+
+class TokenizeRequest(_Request):
+    """Either a completion ``prompt`` or chat ``messages`` (the chat template applied), not both."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(_Model):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: StrictStr | None = None
+    tokens: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_TOKENS_LIMIT)]
+
+
+class DetokenizeResponse(_Model):
+    prompt: str
+
+
+class VersionResponse(_Model):
+    version: str
