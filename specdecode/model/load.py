@@ -19,12 +19,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdecode.fetch import models_home, resolve_model
-from specdecode.model.config import ModelConfig
+from specdecode.model.architectures import hf_state_dict
+from specdecode.model.config import ModelConfig, UnsupportedModelError
 from specdecode.model.gguf_loader import (
     CorruptModelError,
     config_from_gguf_file,
     iter_state_dict,
     open_gguf,
+    with_rope_freqs,
 )
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
@@ -61,7 +63,7 @@ def _dtype_tag(dtype: torch.dtype) -> str:
 def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    missing, unexpected = model.load_state_dict(hf_state_dict(cfg, tensors), strict=False, assign=True)
     allowed_missing = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
         raise CorruptModelError(f"weights do not match the architecture: missing {missing}, unexpected {unexpected}")
@@ -88,6 +90,7 @@ def _convert_gguf(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> None:
     """Dequantize once and store config, weights and tokenizer under out_dir (atomically)."""
     cfg = config_from_gguf_file(gguf_path)  # the header first: a damaged or unsupported file fails in ms
     reader = open_gguf(gguf_path)
+    cfg = with_rope_freqs(cfg, reader)  # Llama 3.x RoPE scaling lives in a tensor
     tensors = dict(iter_state_dict(reader, cfg, dtype))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
@@ -180,6 +183,9 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer.from_gguf(path)
 
 
+_PLAIN_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+
+
 def hf_checkpoint_dir(path: Path, dtype: torch.dtype) -> Path:
     """Our dequantized copy of a GGUF laid out as a Hugging Face checkpoint (config.json, safetensors,
     tokenizer), so a reference implementation runs on exactly the weights our runtime runs on."""
@@ -187,6 +193,11 @@ def hf_checkpoint_dir(path: Path, dtype: torch.dtype) -> Path:
         return path
     conv, weights = converted_gguf(path, dtype)
     cfg = ModelConfig(**json.loads((conv / "specdecode_config.json").read_text()))
+    if cfg != ModelConfig(**{**dataclasses.asdict(cfg), **_PLAIN_FIELDS, "arch": cfg.arch}) or cfg.arch not in (
+            "llama", "qwen2"):
+        # This writer maps plain Llama/Qwen2 configs only: anything else would make the reference compute
+        # another model.
+        raise UnsupportedModelError(f"a Hugging Face reference copy of a {cfg.arch} GGUF with {cfg} is not supported")
     out = conv / f"hf-{_dtype_tag(dtype)}"
     out.mkdir(exist_ok=True)
     hf_cfg = {

@@ -1,0 +1,319 @@
+"""Every supported family, from a Hugging Face directory and from a GGUF written as llama.cpp's converter writes it:
+fp32 logits equal transformers' (1e-4), greedy output equals transformers' greedy, speculative output (n-gram,
+draft model chain and tree) equals plain; unsupported architectures and options are refused by name.
+
+Tiny random models (tests/arch_helpers.py): 2 layers, hidden 64, a window of 16-24 positions where the family has
+one, so that a 64-token prompt and 32 generated tokens run well past it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from arch_helpers import make_hf_dir, reference_model, write_gguf
+
+from specdecode import LLM, SamplingParams
+from specdecode.model import native_kernels
+from specdecode.model.config import ModelConfig, UnsupportedModelError
+from specdecode.model.gguf_loader import config_from_gguf, config_from_gguf_file, open_gguf
+from specdecode.model.load import load_model, read_config
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.model.transformer import Transformer, rope_tables
+
+KINDS = ["llama3", "qwen3", "mistral", "phi3", "gemma2"]
+FORMS = ["hf", "gguf"]
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class Arch:
+    kind: str
+    hf_dir: Path
+    gguf_path: Path
+    other_dir: Path
+    """Same family and tokenizer, other weights: a draft that is often wrong."""
+    prompt64: list[int]
+    prompt: list[int]
+    """A repetitive prompt (n-gram lookup drafts from it) for generation."""
+    ref_logits: torch.Tensor
+    ref_greedy: list[int]
+
+    def path(self, form: str) -> str:
+        return str(self.hf_dir if form == "hf" else self.gguf_path)
+
+
+@pytest.fixture(scope="module")
+def _env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Path, Path]]:
+    """A private SPECDECODE_HOME (GGUF conversions land there), and the tokenizer of a test GGUF taken from the
+    directory it was written from: the tiny files carry no vocabulary (tokenizers are not what is tested)."""
+    home = tmp_path_factory.mktemp("home")
+    dirs: dict[Path, Path] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDECODE_HOME", str(home))
+        mp.setattr(Tokenizer, "from_gguf", classmethod(lambda cls, p: cls.from_dir(dirs[Path(p)])))
+        yield dirs
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
+    """transformers' greedy continuation, each token from a full forward of everything so far."""
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _env: dict[Path, Path]) -> Arch:
+    kind = request.param
+    root = tmp_path_factory.mktemp(kind)
+    hf_dir = make_hf_dir(root / "hf", kind, seed=0)
+    other = make_hf_dir(root / "other", kind, seed=1)
+    path = write_gguf(hf_dir, root / f"{kind}.gguf")
+    _env[path] = hf_dir
+    ref = reference_model(hf_dir)
+    g = torch.Generator().manual_seed(5)
+    prompt64 = torch.randint(3, ref.config.vocab_size, (64,), generator=g).tolist()
+    prompt = [17, 86, 70, 16, 289, 17, 86, 70, 16, 289, 17, 86, 70, 40, 41, 42, 17, 86, 70, 16]
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([prompt64])).logits[0].float()
+    return Arch(kind, hf_dir, path, other, prompt64, prompt, ref_logits, _hf_greedy(ref, prompt, NEW_TOKENS))
+
+
+def _our_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, 256)
+    tokens = torch.tensor([ids])
+    hidden = model(tokens, torch.arange(len(ids)).unsqueeze(0), cache)
+    return model.compute_logits(hidden[0])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_logits_match_transformers(arch: Arch, form: str) -> None:
+    loaded = load_model(arch.path(form), "fp32", "cpu")
+    assert loaded.config.arch == ("llama" if form == "gguf" and arch.kind in ("llama3", "mistral")
+                                  else {"llama3": "llama"}.get(arch.kind, arch.kind))
+    ours = _our_logits(loaded.model, arch.prompt64)
+    assert (ours - arch.ref_logits).abs().max().item() < 1e-4
+    assert ours.argmax(-1).tolist() == arch.ref_logits.argmax(-1).tolist()
+
+
+def test_longer_prompt_matches_transformers(arch: Arch) -> None:
+    """80 queries: past the row-by-row attention, into SDPA (or the soft-capping path)."""
+    ids = (arch.prompt64 + arch.prompt)[:80]
+    ref = reference_model(arch.hf_dir)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    ours = _our_logits(load_model(arch.hf_dir, "fp32", "cpu").model, ids)
+    assert (ours - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_greedy_and_speculative_equal_transformers(arch: Arch, form: str) -> None:
+    path = arch.path(form)
+    plain = LLM(path, dtype="fp32", device="cpu", max_model_len=256)
+    assert plain.generate([arch.prompt], GREEDY)[0].token_ids == arch.ref_greedy
+    configs = [
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "draft", "model": path, "num_speculative_tokens": 4, "draft_dtype": "fp32"},
+        {"method": "draft", "model": str(arch.other_dir), "num_speculative_tokens": 3, "draft_dtype": "fp32",
+         "draft_tree_width": 4},
+    ]
+    for spec in configs:
+        llm = LLM(path, dtype="fp32", device="cpu", max_model_len=256, speculative_config=spec)
+        out = llm.generate([arch.prompt], GREEDY)[0]
+        assert out.token_ids == arch.ref_greedy, spec
+        if spec["method"] == "ngram" or spec["model"] == path:
+            assert out.metrics["accepted_tokens"] > 0, spec
+
+
+def test_header_config_equals_full_config(arch: Arch) -> None:
+    """read_config (header only) and the reader agree; the header alone knows a rope_freqs tensor is there."""
+    header, full = config_from_gguf_file(arch.gguf_path), config_from_gguf(open_gguf(arch.gguf_path))
+    if arch.kind == "llama3":
+        assert header.rope_type == full.rope_type == "freq_factors"
+        assert header.rope_freq_factors is None and full.rope_freq_factors is not None
+        with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+            rope_tables(header, 8, "cpu")  # never unscaled RoPE by accident
+        header = ModelConfig(**{**header.__dict__, "rope_freq_factors": full.rope_freq_factors})
+    assert header == full
+    hf = read_config(arch.hf_dir)
+    for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "sliding_window", "sliding_layers",
+                  "qk_norm", "gemma_norms", "attn_logit_softcapping", "final_logit_softcapping", "hidden_act",
+                  "query_pre_attn_scalar", "tie_word_embeddings"):
+        assert getattr(hf, field) == getattr(full, field), field
+
+
+# ---- Llama 3 RoPE scaling -------------------------------------------------------------------------------------
+
+
+def test_llama3_gguf_without_rope_freqs_is_another_model(tmp_path: Path, _env: dict[Path, Path]) -> None:
+    """The scaling lives only in rope_freqs: the same weights without it compute unscaled RoPE (what the file
+    then says), clearly different from the scaled model: the tensor is what our runtime applies."""
+    hf_dir = make_hf_dir(tmp_path / "hf", "llama3")
+    with_freqs = write_gguf(hf_dir, tmp_path / "a.gguf")
+    without = write_gguf(hf_dir, tmp_path / "b.gguf", with_rope_freqs=False)
+    _env[with_freqs] = _env[without] = hf_dir
+    ids = list(range(3, 67))
+    with torch.no_grad():
+        want = reference_model(hf_dir)(torch.tensor([ids])).logits[0]
+    scaled = _our_logits(load_model(with_freqs, "fp32", "cpu").model, ids)
+    unscaled = _our_logits(load_model(without, "fp32", "cpu").model, ids)
+    assert (scaled - want).abs().max().item() < 1e-4
+    assert (unscaled - want).abs().max().item() > 1e-2
+    assert read_config(without).rope_type == "default"
+
+
+def test_llama3_rope_matches_transformers_frequencies() -> None:
+    from arch_helpers import LLAMA3_ROPE
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from specdecode.model.rope import inv_freq
+
+    hf = LlamaConfig(hidden_size=512, num_attention_heads=4, rope_theta=500000.0,
+                     rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 8192})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    cfg = ModelConfig.from_hf_dict({**hf.to_dict(), "vocab_size": 10})
+    assert cfg.rope_type == "llama3"
+    assert torch.equal(inv_freq(cfg, "cpu"), want)
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------
+
+
+def _hf_dict(kind: str, **over: object) -> dict:
+    from arch_helpers import hf_config
+
+    return {**hf_config(kind, 320).to_dict(), **over}
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "gpt2", "mixtral", "gemma3_text", "phimoe", ""])
+def test_unsupported_hf_architecture_is_named(model_type: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=f"architecture '{model_type}'.*supported: .*llama.*gemma2"):
+        ModelConfig.from_hf_dict(_hf_dict("mistral", model_type=model_type))
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope", "su", "ntk"])
+def test_unsupported_rope_scaling_is_named(rope_type: str) -> None:
+    scaling = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
+    for d in (_hf_dict("llama3", rope_scaling=scaling, rope_parameters=None),
+              _hf_dict("mistral", rope_parameters=scaling), _hf_dict("phi3", rope_scaling=scaling)):
+        with pytest.raises(UnsupportedModelError, match=f"rope_scaling type '{rope_type}'"):
+            ModelConfig.from_hf_dict(d)
+
+
+@pytest.mark.parametrize(("kind", "over", "named"), [
+    ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
+    ("mistral", {"attention_bias": True}, "attention_bias"),
+    ("llama3", {"mlp_bias": True}, "mlp_bias"),
+    ("llama3", {"hidden_act": "gelu"}, "hidden activation 'gelu'"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden activation 'gelu'"),
+    ("gemma2", {"attention_bias": True}, "attention_bias"),
+    ("gemma2", {"layer_types": ["chunked_attention", "full_attention"]}, "layer_types"),
+])
+def test_unsupported_option_is_named(kind: str, over: dict, named: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=named):
+        ModelConfig.from_hf_dict(_hf_dict(kind, **over))
+
+
+def _tiny_gguf(path: Path, arch: str, extra_kv: dict | None = None, extra_tensors: tuple[str, ...] = ()) -> Path:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(16)
+    w.add_feed_forward_length(32)
+    w.add_head_count(2)
+    w.add_layer_norm_rms_eps(1e-6)
+    for key, value in (extra_kv or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_uint32(key, value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 16), dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((16, 16), dtype=np.float32))
+    for name in extra_tensors:
+        w.add_tensor(name, np.ones(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch_name", ["falcon", "gemma3", "phi2", "qwen2moe", "mistral3"])
+def test_unsupported_gguf_architecture_is_named(tmp_path: Path, arch_name: str) -> None:
+    p = _tiny_gguf(tmp_path / "m.gguf", arch_name)
+    with pytest.raises(UnsupportedModelError, match=f"GGUF architecture '{arch_name}'.*supported: .*qwen3"):
+        read_config(p)
+
+
+@pytest.mark.parametrize(("kv", "tensors", "named"), [
+    ({"llama.rope.scaling.type": "linear"}, (), "rope scaling 'linear'"),
+    ({"llama.rope.scaling.type": "yarn"}, (), "rope scaling 'yarn'"),
+    ({}, ("rope_factors_long.weight", "rope_factors_short.weight"), "LongRoPE"),
+    ({"llama.rope.dimension_count": 4}, (), "partial rotary"),
+])
+def test_unsupported_gguf_option_is_named(tmp_path: Path, kv: dict, tensors: tuple[str, ...], named: str) -> None:
+    p = _tiny_gguf(tmp_path / "m.gguf", "llama", kv, tensors)
+    with pytest.raises(UnsupportedModelError, match=named):
+        read_config(p)
+
+
+def test_gguf_tensor_outside_the_layout_is_refused(tmp_path: Path, _env: dict[Path, Path]) -> None:
+    """A Qwen3-style q/k norm tensor inside a `qwen2` GGUF would change the maths: refused, not dropped."""
+    hf_dir = make_hf_dir(tmp_path / "hf", "qwen3")
+    p = write_gguf(hf_dir, tmp_path / "m.gguf")
+    data = bytearray(p.read_bytes())
+    i = data.index(b"qwen3")
+    data[i : i + 5] = b"qwen2"  # general.architecture; the keys are looked up as qwen2.* then
+    for key in (b"qwen3.",):
+        start = 0
+        while (j := data.find(key, start)) >= 0:
+            data[j : j + len(key)] = b"qwen2."
+            start = j + 1
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    _env[bad] = hf_dir
+    with pytest.raises(UnsupportedModelError, match="attn_q_norm"):
+        load_model(bad, "fp32", "cpu")
+
+
+# ---- native kernels (bf16 on CPUs with AVX512-BF16) -----------------------------------------------------------
+
+
+@pytest.mark.skipif(not native_kernels.available(), reason="needs the native bf16 kernels")
+@pytest.mark.parametrize("kind", ["mistral", "phi3"])
+def test_native_decode_applies_the_window(tmp_path: Path, kind: str) -> None:
+    """bf16 decoding through the native layer stack (Mistral/Phi-3 layers are plain) keeps the sliding window:
+    its tokens equal those of the module-by-module torch forward without native kernels."""
+    hf_dir = make_hf_dir(tmp_path / "hf", kind)
+    prompt = list(range(3, 40))
+    llm = LLM(str(hf_dir), dtype="bf16", device="cpu", max_model_len=128)
+    fast = llm.generate([prompt], GREEDY)[0].token_ids
+    assert llm.target.model._native_stack is not None and llm.target.model._native_stack[2] is not None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native_kernels, "available", lambda: False)
+        slow_llm = LLM(str(hf_dir), dtype="bf16", device="cpu", max_model_len=128)
+        slow = slow_llm.generate([prompt], GREEDY)[0].token_ids
+    assert fast == slow
+
+
+def test_native_stack_refuses_layers_it_does_not_compute(tmp_path: Path) -> None:
+    from specdecode.model import native_stack
+
+    for kind in ("qwen3", "gemma2"):
+        cfg = ModelConfig.from_hf_dict(json.loads((make_hf_dir(tmp_path / kind, kind) / "config.json").read_text()))
+        assert not cfg.plain_layers
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        assert native_stack.build(model) is None
