@@ -34,8 +34,9 @@ def hf_config(kind: str, vocab: int, **over: object):  # noqa: ANN201 - a transf
     if kind == "phi3":
         return Phi3Config(sliding_window=24, original_max_position_embeddings=512, **common)
     if kind == "gemma2":
-        return Gemma2Config(head_dim=16, query_pre_attn_scalar=16, sliding_window=16, attn_logit_softcapping=5.0,
-                            final_logit_softcapping=8.0, **{**common, "tie_word_embeddings": True})
+        gemma = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=16, attn_logit_softcapping=5.0,
+                     final_logit_softcapping=8.0, tie_word_embeddings=True)
+        return Gemma2Config(**{**common, **gemma, **over})
     raise ValueError(kind)
 
 

@@ -136,6 +136,35 @@ def test_greedy_and_speculative_equal_transformers(arch: Arch, form: str) -> Non
             assert out.metrics["accepted_tokens"] == out.metrics["draft_tokens"], spec
 
 
+def test_batched_rows_equal_plain(arch: Arch) -> None:
+    """Continuous batching: rows of different lengths in one forward, a finished row's cache (positions
+    included) moved onto another, n-gram drafts: every sequence's output equals its plain greedy output."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(str(arch.hf_dir), dtype="fp32", device="cpu", max_model_len=256, speculative_config=spec)
+    prompts = [arch.prompt, arch.prompt64[:30], arch.prompt64[10:17]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (NEW_TOKENS, 12, 28)]
+    plain = LLM(str(arch.hf_dir), dtype="fp32", device="cpu", max_model_len=256)
+    want = [plain.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    engine = llm.batch_engine(max_num_seqs=2)
+    seqs = [llm.new_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    assert [s.token_ids[s.prompt_len :] for s in seqs] == want
+
+
+def test_gemma2_query_pre_attn_scalar(tmp_path: Path) -> None:
+    """Gemma 2 scales scores by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5 (the 27B model's case)."""
+    hf_dir = make_hf_dir(tmp_path / "hf", "gemma2", query_pre_attn_scalar=40)
+    ids = list(range(3, 67))
+    with torch.no_grad():
+        want = reference_model(hf_dir)(torch.tensor([ids])).logits[0]
+    loaded = load_model(hf_dir, "fp32", "cpu")
+    assert loaded.config.query_pre_attn_scalar == 40
+    assert (_our_logits(loaded.model, ids) - want).abs().max().item() < 1e-4
+
+
 def test_header_config_equals_full_config(arch: Arch) -> None:
     """read_config (header only) and the reader agree; the header alone knows a rope_freqs tensor is there."""
     header, full = config_from_gguf_file(arch.gguf_path), config_from_gguf(open_gguf(arch.gguf_path))
