@@ -88,6 +88,19 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return Arch(kind, hf_dir, path, other, prompt64, prompt, ref_logits, _hf_greedy(ref, prompt, NEW_TOKENS))
 
 
+def _random_heads(target: Transformer, root: Path) -> dict[str, Path]:
+    """Untrained EAGLE (final hidden state, and EAGLE-3 style fused layers) and Medusa heads for this target."""
+    from specdecode.heads.persist import new_head, save_head
+
+    out = {}
+    ids = torch.arange(0, target.config.vocab_size, 2)
+    for name, kind, layers in (("eagle", "eagle", None), ("eagle3", "eagle", [0, 1, 2]), ("medusa", "medusa", None)):
+        head = new_head(target, kind, ids, seed=3, feature_layers=layers)
+        save_head(head, root / name)
+        out[name] = root / name
+    return out
+
+
 def _our_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
     cache = model.new_cache(1, 256)
     tokens = torch.tensor([ids])
@@ -116,7 +129,7 @@ def test_longer_prompt_matches_transformers(arch: Arch) -> None:
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_greedy_and_speculative_equal_transformers(arch: Arch, form: str) -> None:
+def test_greedy_and_speculative_equal_transformers(arch: Arch, form: str, tmp_path: Path) -> None:
     path = arch.path(form)
     plain = LLM(path, dtype="fp32", device="cpu", max_model_len=256)
     assert plain.generate([arch.prompt], GREEDY)[0].token_ids == arch.ref_greedy
@@ -127,6 +140,10 @@ def test_greedy_and_speculative_equal_transformers(arch: Arch, form: str) -> Non
         {"method": "draft", "model": str(arch.other_dir), "num_speculative_tokens": 3, "draft_dtype": "fp32",
          "draft_tree_width": 4},
     ]
+    heads = _random_heads(plain.target.model, tmp_path)
+    configs += [{"method": "eagle", "model": str(heads["eagle"]), "num_speculative_tokens": 4},
+                {"method": "eagle", "model": str(heads["eagle3"]), "num_speculative_tokens": 3, "draft_tree_width": 3},
+                {"method": "medusa", "model": str(heads["medusa"]), "num_speculative_tokens": 3}]
     for spec in configs:
         llm = LLM(path, dtype="fp32", device="cpu", max_model_len=256, speculative_config=spec)
         out = llm.generate([arch.prompt], GREEDY)[0]
