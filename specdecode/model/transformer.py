@@ -186,6 +186,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = (cfg.query_pre_attn_scalar or self.hd) ** -0.5
+        self.sdpa_scale = None if cfg.query_pre_attn_scalar is None else self.scale  # None: SDPA's own 1/sqrt(hd)
         self.softcap = cfg.attn_logit_softcapping
         self.native = cfg.plain_layers
         """Whether the native rope/attention kernels compute this layer's attention (no q/k norm, no soft-cap)."""
@@ -248,7 +249,7 @@ class Attention(nn.Module):
             # CUDA: a Python loop over rows would cost more than the forward. SDPA has no soft-capping.
             out = small_attention(q, keys, values, mask, self.scale, self.softcap)
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.sdpa_scale,
                                                  enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
 
