@@ -153,6 +153,20 @@ def test_greedy_and_speculative_equal_transformers(arch: Arch, form: str, tmp_pa
             assert out.metrics["accepted_tokens"] == out.metrics["draft_tokens"], spec
 
 
+def test_bf16_runs_close_and_speculation_stays_exact(arch: Arch) -> None:
+    """The default dtype: bf16 weights on the CPU formats (native kernels where the layers are plain) stay near
+    transformers' fp32 logits, and speculative output equals plain output bit for bit."""
+    plain = LLM(str(arch.hf_dir), dtype="bf16", device="cpu", max_model_len=256)
+    logits = _our_logits(plain.target.model, arch.prompt64)
+    err = (logits - arch.ref_logits).abs().mean().item()
+    assert err < 0.05 * arch.ref_logits.abs().mean().item()
+    want = plain.generate([arch.prompt], GREEDY)[0].token_ids
+    for spec in ({"method": "draft", "model": str(arch.hf_dir), "num_speculative_tokens": 4},
+                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}):
+        llm = LLM(str(arch.hf_dir), dtype="bf16", device="cpu", max_model_len=256, speculative_config=spec)
+        assert llm.generate([arch.prompt], GREEDY)[0].token_ids == want, spec
+
+
 def test_batched_rows_equal_plain(arch: Arch) -> None:
     """Continuous batching: rows of different lengths in one forward, a finished row's cache (positions
     included) moved onto another, n-gram drafts: every sequence's output equals its plain greedy output."""
