@@ -30,7 +30,7 @@ def hf_config(kind: str, vocab: int, **over: object):  # noqa: ANN201 - a transf
     if kind == "qwen3":
         return Qwen3Config(head_dim=32, rope_theta=1e6, **{**common, "tie_word_embeddings": True})
     if kind == "mistral":
-        return MistralConfig(sliding_window=16, rope_theta=10000.0, **common)
+        return MistralConfig(**{"sliding_window": 16, "rope_theta": 10000.0, **common})
     if kind == "phi3":
         return Phi3Config(sliding_window=24, original_max_position_embeddings=512, **common)
     if kind == "gemma2":
@@ -92,7 +92,8 @@ def _llama3_rope_factors(cfg) -> np.ndarray:  # noqa: ANN001
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2"}
 
 
-def write_gguf(hf_dir: Path, out: Path, with_rope_freqs: bool = True, window_key: bool = True) -> Path:
+def write_gguf(hf_dir: Path, out: Path, with_rope_freqs: bool = True, window_key: bool = True,
+               name: str | None = None) -> Path:
     """The HF checkpoint as llama.cpp's converter writes it (all tensors F32). For Mistral the sliding window is
     recorded under `llama.attention.sliding_window` (`window_key`); the converter itself writes none for
     `llama`."""
@@ -102,6 +103,8 @@ def write_gguf(hf_dir: Path, out: Path, with_rope_freqs: bool = True, window_key
     n = cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(out), arch)
+    if name is not None:
+        w.add_name(name)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(n)

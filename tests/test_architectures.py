@@ -248,6 +248,40 @@ def test_llama3_rope_matches_transformers_frequencies() -> None:
     assert torch.equal(inv_freq(cfg, "cpu"), want)
 
 
+# ---- what llama.cpp's converter leaves out ---------------------------------------------------------------------
+
+
+def test_mistral_gguf_without_its_window_is_held_within_it(tmp_path: Path, _env: dict[Path, Path]) -> None:
+    """llama.cpp's converter writes Mistral as `llama` without its sliding window: such a file computes Mistral
+    exactly only up to the window of Mistral 7B v0.1 (4096), so its context stops there (a prompt beyond is
+    refused by LLM); a llama GGUF of another name keeps its context."""
+    hf_dir = make_hf_dir(tmp_path / "hf", "mistral", max_position_embeddings=8192, sliding_window=4096)
+    named = write_gguf(hf_dir, tmp_path / "m.gguf", window_key=False, name="Mistral-7B-v0.1")
+    other = write_gguf(hf_dir, tmp_path / "o.gguf", window_key=False, name="Some-Llama")
+    with_key = write_gguf(hf_dir, tmp_path / "k.gguf", name="Mistral-7B-v0.1")
+    _env[named] = _env[other] = _env[with_key] = hf_dir
+    cfg = read_config(named)
+    assert cfg.sliding_window is None and cfg.max_position_embeddings == 4096
+    assert read_config(other).max_position_embeddings == 8192
+    assert read_config(with_key).sliding_window == 4096 and read_config(with_key).max_position_embeddings == 8192
+    llm = LLM(str(named), dtype="fp32", device="cpu", max_model_len=6000)
+    assert llm.max_model_len == 4096
+    with pytest.raises(ValueError, match="4096"):
+        llm.generate([[5] * 4090], SamplingParams(max_tokens=10, temperature=0.0))
+
+
+def test_gemma2_gguf_keys_default_as_in_llama_cpp(tmp_path: Path) -> None:
+    """Without the soft-capping and window keys llama.cpp uses Gemma 2's values (50, 30, 4096): so do we."""
+    meta = {"general.architecture": "gemma2", "gemma2.block_count": 4, "gemma2.embedding_length": 64,
+            "gemma2.attention.head_count": 4, "gemma2.attention.key_length": 32}
+    from specdecode.model.architectures import config_kwargs_from_gguf
+
+    out = config_kwargs_from_gguf(meta, {})
+    assert (out["attn_logit_softcapping"], out["final_logit_softcapping"]) == (50.0, 30.0)
+    assert out["sliding_window"] == 4096 and out["sliding_layers"] == (0, 2)
+    assert out["query_pre_attn_scalar"] == 32
+
+
 # ---- refusals -------------------------------------------------------------------------------------------------
 
 

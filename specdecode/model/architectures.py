@@ -183,6 +183,12 @@ def config_kwargs_from_gguf(meta: dict[str, object], shapes: dict[str, tuple[int
     window = int(window) if window else None  # type: ignore[arg-type]
     if arch == "llama" and window:  # Mistral (llama.cpp writes it as llama) with the window recorded
         out.update(sliding_window=window, sliding_layers=tuple(range(layers)))
+    elif arch == "llama" and _named_mistral(meta):
+        # llama.cpp's converter drops Mistral's sliding_window (Mistral 7B v0.1: 4096 positions), and the file
+        # cannot tell v0.1 from the later, windowless versions: within 4096 positions both compute the same,
+        # beyond them the context is refused (LLM's max_model_len) rather than computed without the window.
+        ctx = int(meta.get("llama.context_length", MISTRAL_V01_WINDOW))  # type: ignore[arg-type]
+        out["max_position_embeddings"] = min(ctx, MISTRAL_V01_WINDOW)
     elif arch == "phi3" and window:  # 0: none (Phi-4)
         out.update(sliding_window=window, sliding_layers=tuple(range(layers)))
     elif arch == "qwen3":
@@ -193,15 +199,25 @@ def config_kwargs_from_gguf(meta: dict[str, object], shapes: dict[str, tuple[int
         scalar = hidden // heads if layers == 46 else head_dim
         out.update(
             hidden_act="gelu_pytorch_tanh", gemma_norms=True, query_pre_attn_scalar=float(scalar),
-            attn_logit_softcapping=_opt_float(meta.get("gemma2.attn_logit_softcapping")),
-            final_logit_softcapping=_opt_float(meta.get("gemma2.final_logit_softcapping")),
+            # llama.cpp's defaults where a key is missing: 50 and 30 (Gemma 2's), a 4096-position window.
+            attn_logit_softcapping=_opt_float(meta.get("gemma2.attn_logit_softcapping", 50.0)),
+            final_logit_softcapping=_opt_float(meta.get("gemma2.final_logit_softcapping", 30.0)),
         )
-        if window:  # llama.cpp: every even layer (0, 2, ...) slides, as HF's default layer_types
-            out.update(sliding_window=window, sliding_layers=tuple(range(0, layers, 2)))
+        window = window or 4096
+        # llama.cpp: every even layer (0, 2, ...) slides, as HF's default layer_types
+        out.update(sliding_window=window, sliding_layers=tuple(range(0, layers, 2)))
     for key in (f"{arch}.attention.layer_norm_epsilon",):
         if key in meta:
             raise unsupported(f"{arch} with LayerNorm ({key})")
     return out
+
+
+MISTRAL_V01_WINDOW = 4096
+
+
+def _named_mistral(meta: dict[str, object]) -> bool:
+    names = (meta.get(k) for k in ("general.name", "general.basename", "general.base_model.0.name"))
+    return any("mistral" in str(n).lower() for n in names if n)
 
 
 _LAYER_NAMES = {

@@ -156,7 +156,7 @@ def config_from_metadata(meta: dict[str, object], shapes: dict[str, tuple[int, .
     vocab = int(shapes["token_embd.weight"][1])  # GGUF shapes are in ggml order: [cols, rows]
     heads = int(req("attention.head_count"))
     hidden = int(req("embedding_length"))
-    return ModelConfig(
+    common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(req("feed_forward_length")),
@@ -169,8 +169,8 @@ def config_from_metadata(meta: dict[str, object], shapes: dict[str, tuple[int, .
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in shapes,
         attention_bias="blk.0.attn_q.bias" in shapes,
-        **arch_fields,
     )
+    return ModelConfig(**{**common, **arch_fields})  # type: ignore[arg-type]
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
