@@ -233,6 +233,28 @@ def test_llama3_gguf_without_rope_freqs_is_another_model(tmp_path: Path, _env: d
     assert read_config(without).rope_type == "default"
 
 
+def test_converted_copy_from_before_rope_freqs_is_converted_again(tmp_path: Path, _env: dict[Path, Path]) -> None:
+    """A converted copy written when rope_freqs was dropped (its config says default RoPE) would load unscaled
+    RoPE: the header disagrees with it, so it is converted again."""
+    from specdecode.model.load import _converted_dir
+
+    hf_dir = make_hf_dir(tmp_path / "hf", "llama3")
+    path = write_gguf(hf_dir, tmp_path / "l.gguf")
+    _env[path] = hf_dir
+    load_model(path, "fp32", "cpu")
+    cfg_file = _converted_dir(path) / "specdecode_config.json"
+    old = {k: v for k, v in json.loads(cfg_file.read_text()).items() if k not in ("rope_type", "rope_freq_factors")}
+    cfg_file.write_text(json.dumps(old))
+    assert read_config(path).rope_type == "freq_factors"  # the stale copy is not believed
+    ids = list(range(3, 67))
+    with torch.no_grad():
+        want = reference_model(hf_dir)(torch.tensor([ids])).logits[0]
+    loaded = load_model(path, "fp32", "cpu")
+    assert loaded.config.rope_freq_factors is not None
+    assert (_our_logits(loaded.model, ids) - want).abs().max().item() < 1e-4
+    assert json.loads(cfg_file.read_text())["rope_type"] == "freq_factors"
+
+
 def test_llama3_rope_matches_transformers_frequencies() -> None:
     from arch_helpers import LLAMA3_ROPE
     from transformers import LlamaConfig

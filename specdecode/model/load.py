@@ -110,6 +110,8 @@ def converted_gguf(path: Path, dtype: torch.dtype) -> tuple[Path, Path]:
     """(converted dir, weights file) for a GGUF in `dtype`, converting it on first use."""
     conv = _converted_dir(path)
     weights = conv / f"model-{_dtype_tag(dtype)}.safetensors"
+    if _stale_conversion(path, conv / "specdecode_config.json"):
+        shutil.rmtree(conv, ignore_errors=True)
     if not weights.exists():
         try:
             _convert_gguf(path, dtype, conv)
@@ -117,6 +119,21 @@ def converted_gguf(path: Path, dtype: torch.dtype) -> tuple[Path, Path]:
             _forget_cached(path)
             raise
     return conv, weights
+
+
+def _stale_conversion(path: Path, cfg_file: Path) -> bool:
+    """Whether a converted copy's config says less than the GGUF's header (a copy written before the runtime
+    read e.g. rope_freqs or sliding windows would load another model): then it is converted again."""
+    if not cfg_file.exists():
+        return False
+    try:
+        stored = ModelConfig(**json.loads(cfg_file.read_text()))
+    except (TypeError, ValueError):
+        return True
+    header = config_from_gguf_file(path)  # the header only: milliseconds
+    if stored.rope_type == "freq_factors" and stored.rope_freq_factors is None:
+        return True
+    return dataclasses.replace(stored, rope_freq_factors=None) != header
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer, ModelConfig]:
@@ -156,9 +173,9 @@ def read_config(path: Path) -> ModelConfig:
     if path.is_dir():
         return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
     conv = _converted_dir(path) / "specdecode_config.json"
-    if conv.exists():
-        return ModelConfig(**json.loads(conv.read_text()))
     try:
+        if conv.exists() and not _stale_conversion(path, conv):
+            return ModelConfig(**json.loads(conv.read_text()))
         return config_from_gguf_file(path)  # the header only: no weights, no vocabulary
     except CorruptModelError:
         _forget_cached(path)
