@@ -188,8 +188,10 @@ class Attention(nn.Module):
         self.scale = (cfg.query_pre_attn_scalar or self.hd) ** -0.5
         self.sdpa_scale = None if cfg.query_pre_attn_scalar is None else self.scale  # None: SDPA's own 1/sqrt(hd)
         self.softcap = cfg.attn_logit_softcapping
-        self.native = cfg.plain_layers
-        """Whether the native rope/attention kernels compute this layer's attention (no q/k norm, no soft-cap)."""
+        self.native_attend = cfg.attn_logit_softcapping is None
+        """Whether the native attention kernel (plain softmax at any scale) computes this layer's attention."""
+        self.native_rope = not cfg.qk_norm
+        """Whether `native_kernels.rope_qkv` may rope q and k straight from the projection."""
 
     def fuse(self) -> None:
         """Replace q/k/v by one projection: one larger matrix-vector product streams weights faster
@@ -220,8 +222,9 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        fused = self.native and native_kernels.attend_applies(x, self.hd) and t <= EXACT_ATTENTION_TOKENS
-        if fused and cache is not None and self.qkv_proj is not None and cache.k.dtype == torch.bfloat16:
+        fused = self.native_attend and native_kernels.attend_applies(x, self.hd) and t <= EXACT_ATTENTION_TOKENS
+        if (fused and self.native_rope and cache is not None and self.qkv_proj is not None
+                and cache.k.dtype == torch.bfloat16):
             # Decode / verification: rope, cache write and attention in two native calls.
             k_layer, v_layer = cache.layer(self.layer_idx)
             q = native_kernels.rope_qkv(self.qkv_proj(x), cos, sin, slots.index, slots.end, k_layer, v_layer,
