@@ -380,6 +380,10 @@ def test_unsupported_gguf_architecture_is_named(tmp_path: Path, arch_name: str) 
     ({"llama.rope.scaling.type": "yarn"}, (), "rope scaling 'yarn'"),
     ({}, ("rope_factors_long.weight", "rope_factors_short.weight"), "LongRoPE"),
     ({"llama.rope.dimension_count": 4}, (), "partial rotary"),
+    ({"llama.expert_count": 8}, (), "llama.expert_count"),
+    ({"llama.attention.value_length": 4}, (), "llama.attention.value_length"),
+    ({"llama.logit_scale": 3}, (), "llama.logit_scale"),
+    ({"llama.attention.causal": 0}, (), "llama.attention.causal"),
 ])
 def test_unsupported_gguf_option_is_named(tmp_path: Path, kv: dict, tensors: tuple[str, ...], named: str) -> None:
     p = _tiny_gguf(tmp_path / "m.gguf", "llama", kv, tensors)

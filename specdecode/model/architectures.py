@@ -206,10 +206,29 @@ def config_kwargs_from_gguf(meta: dict[str, object], shapes: dict[str, tuple[int
         window = window or 4096
         # llama.cpp: every even layer (0, 2, ...) slides, as HF's default layer_types
         out.update(sliding_window=window, sliding_layers=tuple(range(0, layers, 2)))
-    for key in (f"{arch}.attention.layer_norm_epsilon",):
-        if key in meta:
-            raise unsupported(f"{arch} with LayerNorm ({key})")
+    for key, ok in _GGUF_MATH_KEYS.items():
+        full = f"{arch}.{key}"
+        if full in meta and not (ok(meta[full], arch, head_dim)):
+            raise unsupported(f"{arch} GGUF with {full} = {meta[full]!r}")
     return out
+
+
+_GGUF_MATH_KEYS = {
+    # llama.cpp keys that change what a layer computes, and the values under which it computes as we do.
+    "attention.layer_norm_epsilon": lambda v, a, hd: False,  # LayerNorm instead of RMSNorm
+    "attention.scale": lambda v, a, hd: False,
+    "attention.clamp_kqv": lambda v, a, hd: not v,
+    "attention.causal": lambda v, a, hd: bool(v),
+    "attention.value_length": lambda v, a, hd: int(v) == hd,
+    "logit_scale": lambda v, a, hd: float(v) == 1.0,
+    "embedding_scale": lambda v, a, hd: float(v) == 1.0,
+    "residual_scale": lambda v, a, hd: float(v) == 1.0,
+    "expert_count": lambda v, a, hd: int(v) == 0,
+    "use_parallel_residual": lambda v, a, hd: not v,
+    "attn_logit_softcapping": lambda v, a, hd: a == "gemma2",
+    "final_logit_softcapping": lambda v, a, hd: a == "gemma2",
+    "rope.scaling.factor": lambda v, a, hd: float(v) == 1.0,
+}
 
 
 MISTRAL_V01_WINDOW = 4096
