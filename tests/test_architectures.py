@@ -333,6 +333,7 @@ def test_unsupported_rope_scaling_is_named(rope_type: str) -> None:
     ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
     ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
     ("mistral", {"attention_bias": True}, "attention_bias"),
     ("llama3", {"mlp_bias": True}, "mlp_bias"),
     ("llama3", {"hidden_act": "gelu"}, "hidden activation 'gelu'"),

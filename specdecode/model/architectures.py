@@ -101,7 +101,9 @@ def config_kwargs_from_hf(cfg: dict) -> dict:
     elif model_type in ("qwen2", "qwen3"):
         if cfg.get("use_sliding_window") or (layer_types and "sliding_attention" in layer_types):
             raise unsupported(f"{model_type} with use_sliding_window (sliding-window layers)")
-        out["attention_bias"] = model_type == "qwen2" or bool(cfg.get("attention_bias", False))
+        if model_type == "qwen3":  # its attention_bias would put a bias on o_proj too: no slot for it here
+            _check_false(cfg, model_type, "attention_bias")
+        out["attention_bias"] = model_type == "qwen2"
         out["qk_norm"] = model_type == "qwen3"
     elif model_type == "phi3":
         out["attention_bias"] = False
