@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from specdecode.config import METHODS
@@ -13,8 +12,12 @@ from specdecode.fetch import KNOWN_MODELS, FetchError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
-                   help="target: alias, .gguf file or HF directory (default: %(default)s)")
+    from specdecode.hub import MODEL_ACTION, add_hub_args
+
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", action=MODEL_ACTION,
+                   help="target: alias, .gguf file, HF directory or HF id ORG/NAME[@REVISION][:FILE.gguf] "
+                        "(default: %(default)s)")
+    add_hub_args(p)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="target precision")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None, help="context to allocate (default 8192)")
@@ -45,9 +48,9 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         cfg.setdefault("method", "draft")
         cfg["model"] = args.draft
     if getattr(args, "head", None):
-        from specdecode.heads.persist import read_head_config
+        from specdecode.heads.persist import head_kind
 
-        cfg.setdefault("method", read_head_config(Path(args.head).expanduser()).kind)
+        cfg.setdefault("method", head_kind(args.head))  # ours, a public EAGLE/Medusa checkpoint, or an HF id
         cfg["model"] = args.head
     if args.method:
         cfg["method"] = args.method

@@ -307,13 +307,14 @@ def _unknown_message(name: str) -> str:
     aliases = "\n".join(f"  {a:<30} {s.description}" for a, s in sorted(KNOWN_MODELS.items()))
     return (
         f"unknown model {name!r}. Known aliases (fetched on first use):\n{aliases}\n"
-        "A path to a local .gguf file, or a Hugging Face model directory "
-        "(config.json + *.safetensors + tokenizer files), is accepted too."
+        "A path to a local .gguf file, a Hugging Face model directory "
+        "(config.json + *.safetensors + tokenizer files), or a Hugging Face id (ORG/NAME, ORG/NAME@REVISION, "
+        "ORG/NAME:FILE.gguf) is accepted too."
     )
 
 
 def resolve_model(name: str) -> Path:
-    """Map a model argument to a local path: known alias, .gguf file, or HF directory."""
+    """Map a model argument to a local path: known alias, .gguf file, HF directory, or HF id (specdecode.hub)."""
     if name in KNOWN_MODELS:
         return fetch_model(name)
     p = Path(name).expanduser()
@@ -321,4 +322,8 @@ def resolve_model(name: str) -> Path:
         return p
     if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
         return p
+    from specdecode.hub import is_hub_id, resolve_hub
+
+    if not p.exists() and is_hub_id(name):  # ORG/NAME[@REVISION][:FILE.gguf]
+        return resolve_hub(name)
     raise UnknownModelError(_unknown_message(name))

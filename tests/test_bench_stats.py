@@ -173,9 +173,11 @@ def test_datasets_load_and_select():
     he = load_prompts("humaneval", limit=1)[0]
     assert he.task == "code" and he.messages[0]["content"].startswith("Complete the following Python function:\n```")
     gs = load_prompts("gsm8k", limit=2)
-    assert [p.task for p in gs] == ["math", "math"] and "ducks" in gs[0].messages[0]["content"]
+    assert [p.task for p in gs] == ["gsm8k", "gsm8k"] and "ducks" in gs[0].messages[0]["content"]
     mt = load_prompts("mt_bench", ["coding"], per_task=3)
     assert len(mt) == 3 and mt[0].task == "coding"
+    joined = load_prompts("mt_bench+gsm8k", ["math", "gsm8k"], per_task=2)
+    assert [p.task for p in joined] == ["math", "math", "gsm8k", "gsm8k"]
     with pytest.raises(ValueError, match="no prompts for tasks"):
         load_prompts("gsm8k", ["nope"])
     with pytest.raises(ValueError, match="unknown dataset"):

@@ -90,7 +90,8 @@ def copy_with_swapped_tokens(src: Path, dst: Path, a: int, b: int) -> Path:
 
 
 def copy_with_padded_vocab(src: Path, dst: Path, extra: int) -> Path:
-    """Same tokenizer, embeddings padded by `extra` rows (as checkpoints pad to a multiple of 64/128)."""
+    """Same tokenizer, embeddings padded by `extra` rows (as checkpoints pad to a multiple of 64/128); a
+    negative `extra` cuts rows instead."""
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     cfg["vocab_size"] += extra
@@ -100,7 +101,8 @@ def copy_with_padded_vocab(src: Path, dst: Path, extra: int) -> Path:
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
             if name in tensors:
                 w = tensors[name]
-                tensors[name] = torch.cat([w, torch.zeros(extra, w.shape[1], dtype=w.dtype)])
+                pad = torch.zeros(max(extra, 0), w.shape[1], dtype=w.dtype)
+                tensors[name] = torch.cat([w[: w.shape[0] + min(extra, 0)], pad])
         save_file(tensors, str(f), metadata={"format": "pt"})
     return dst
 
@@ -117,14 +119,15 @@ def test_draft_with_a_different_tokenizer_is_refused(tiny_llama_dir: Path, tmp_p
         fp32(bad, draft_cfg(tiny_llama_dir))
 
 
-def test_draft_with_padded_vocab_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    padded = copy_with_padded_vocab(tiny_llama_dir, tmp_path / "padded", 64)
+def test_draft_with_fewer_rows_than_token_ids_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Padding differences are accepted (tests/test_draft_vocab.py); a draft missing real ids is not."""
+    cut = copy_with_padded_vocab(tiny_llama_dir, tmp_path / "cut", -20)
     with pytest.raises(IncompatibleDraftError) as info:
-        fp32(tiny_llama_dir, draft_cfg(padded))
+        fp32(tiny_llama_dir, draft_cfg(cut))
     msg = str(info.value)
-    assert str(padded) in msg and str(tiny_llama_dir) in msg
+    assert str(cut) in msg and str(tiny_llama_dir) in msg
     vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    assert str(vocab) in msg and str(vocab + 64) in msg
+    assert str(vocab) in msg and str(vocab - 20) in msg and "more than padding" in msg
 
 
 @pytest.mark.real

@@ -127,6 +127,48 @@ BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str | None]] = [
 ]
 
 
+# Fields OpenAI defines that this server does not implement, and fields nobody defines: each is a 400 naming it.
+UNRECOGNIZED: list[tuple[str, Any]] = [
+    ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "auto"),
+    ("parallel_tool_calls", False),
+    ("logit_bias", {"5": 10}),
+    ("functions", [{"name": "f"}]),
+    ("modalities", ["text"]),
+    ("no_such_field", 1),
+]
+
+
+@pytest.mark.parametrize("case", UNRECOGNIZED, ids=[c[0] for c in UNRECOGNIZED])
+def test_unrecognized_fields_are_named(server: LiveServer, case: tuple[str, Any]) -> None:
+    field, value = case
+    body = {"model": NAME, "messages": MSGS, "max_tokens": 4, field: value}
+    err = assert_error(server.post(CHAT, json=body), 400, field)
+    assert err["message"] == f"Unrecognized request argument supplied: {field}"
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 4, field: value}
+    assert_error(server.post(COMPLETIONS, json=body), 400, field)
+
+
+def test_unrecognized_nested_fields_are_named(server: LiveServer) -> None:
+    msgs = [{"role": "user", "content": "hi", "tool_call_id": "x"}]
+    err = assert_error(server.post(CHAT, json={"model": NAME, "messages": msgs}), 400, "messages[0].tool_call_id")
+    assert "Unrecognized request argument" in err["message"]
+    body = {"model": NAME, "messages": MSGS, "speculative": {"k": 3}}
+    assert_error(server.post(CHAT, json=body), 400, "speculative.k")
+
+
+def test_metadata_fields_change_nothing(server: LiveServer) -> None:
+    body = {"model": NAME, "messages": MSGS, "max_tokens": 3, "temperature": 0}
+    plain = server.post(CHAT, json=body)
+    tagged = server.post(CHAT, json={**body, "user": "u1", "metadata": {"team": "a"}, "store": False,
+                                     "service_tier": "auto"})
+    assert plain.status_code == tagged.status_code == 200, (plain.text, tagged.text)
+    assert plain.json()["choices"][0]["message"] == tagged.json()["choices"][0]["message"]
+    r = server.post(COMPLETIONS, json={"model": NAME, "prompt": "hi", "max_tokens": 2, "user": "u1", "store": True})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("case", BAD_COMPLETIONS, ids=[c[0] for c in BAD_COMPLETIONS])
 def test_bad_completion_fields(server: LiveServer, case: tuple[str, dict[str, Any], str | None]) -> None:
     _, patch, param = case
@@ -286,7 +328,9 @@ def test_schemathesis_finds_no_server_errors(server: LiveServer) -> None:
     schema = schemathesis.openapi.from_dict(httpx.get(server.base_url + "/openapi.json",
                                                       headers=server.headers).json())
     statuses: list[int] = []
-    for path, method, examples in ((COMPLETIONS, "POST", 40), (CHAT, "POST", 40), ("/v1/models", "GET", 3)):
+    operations = ((COMPLETIONS, "POST", 40), (CHAT, "POST", 40), ("/v1/models", "GET", 3),
+                  ("/tokenize", "POST", 15), ("/detokenize", "POST", 15))
+    for path, method, examples in operations:
         operation = schema[path][method]
 
         @settings(max_examples=examples, deadline=None, database=None, derandomize=True,

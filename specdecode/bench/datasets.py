@@ -34,7 +34,7 @@ HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{promp
 @dataclass(frozen=True)
 class BenchPrompt:
     task: str
-    """Task the prompt is reported under (Spec-Bench task, "code", "math", or the file's category)."""
+    """Task the prompt is reported under (Spec-Bench task, "code", "gsm8k", or the file's category)."""
     index: int
     """Position of the prompt within its task in this run (0-based)."""
     messages: list[dict[str, str]] = field(hash=False)
@@ -93,7 +93,8 @@ def _from_row(kind: str, row: dict[str, Any], lineno: int) -> tuple[str, list[di
     if kind == "humaneval":
         return "code", _user(HUMANEVAL_TEMPLATE.format(prompt=row["prompt"])), str(row.get("task_id", lineno)), ""
     if kind == "gsm8k":
-        return "math", _user(row["question"]), str(lineno), ""
+        # Its own task name: MT-bench has a "math" category too, and joined datasets group by task.
+        return "gsm8k", _user(row["question"]), str(lineno), ""
     category = str(row.get("category") or row.get("task") or "default")
     source_id = str(row.get("question_id", row.get("id", row.get("task_id", lineno))))
     if "messages" in row:

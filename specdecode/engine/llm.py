@@ -13,7 +13,7 @@ from specdecode.engine.batch import BatchEngine
 from specdecode.engine.decoder import SpeculativeDecoder
 from specdecode.engine.sequence import RequestOutput, Sequence
 from specdecode.engine.validation import (
-    IncompatibleDraftError,
+    check_draft_rows,
     check_memory,
     check_vocab_compatible,
     estimate_bytes,
@@ -112,19 +112,15 @@ class LLM:
             # Refuse an incompatible draft before paying for its weights.
             check_vocab_compatible(model, self.tokenizer, str(spec.model), load_tokenizer(draft_path))
             assert draft_cfg is not None
-            if draft_cfg.vocab_size != target_cfg.vocab_size:
-                # Same tokenizer, differently padded embeddings: draft and target distributions would not
-                # line up, and a draft id beyond the target's rows would crash the verify pass.
-                raise IncompatibleDraftError(
-                    f"draft {spec.model!r} has {draft_cfg.vocab_size} output rows but target {model!r} has "
-                    f"{target_cfg.vocab_size}; the draft's vocabulary size must equal the target's"
-                )
+            # Same tokenizer, differently padded embeddings: the draft drafts over the real ids only.
+            rows = check_draft_rows(model, target_cfg.vocab_size, str(spec.model), draft_cfg.vocab_size,
+                                    self.tokenizer)
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device)
             convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
             draft_model = self.draft.model
             width, branching = spec.tree_width, spec.tree_branching
             self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len, width, branching,
-                                                               lookup)
+                                                               lookup, vocab=rows)
         elif isinstance(self.head, EagleHead):
             head, width, branching = self.head, spec.tree_width, spec.tree_branching
             columns = spec.head_prompt_tokens

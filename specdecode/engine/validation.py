@@ -41,6 +41,24 @@ def check_vocab_compatible(target_name: str, target: Tokenizer, draft_name: str,
         )
 
 
+def check_draft_rows(target_name: str, target_rows: int, draft_name: str, draft_rows: int,
+                     tokenizer: Tokenizer) -> tuple[int, int] | None:
+    """Output rows of a draft whose tokenizer agrees with the target's (`check_vocab_compatible`). Equal: None.
+    Padded differently (the Qwen2.5 sizes pad to 151,936 or 152,064): (real vocabulary, target rows) for
+    `DraftModelProposer(vocab=...)`, which never proposes a padding row. Refused when either model has fewer
+    rows than the tokenizer has ids."""
+    if draft_rows == target_rows:
+        return None
+    real = max(tokenizer.vocab(), default=-1) + 1
+    if real > min(draft_rows, target_rows):
+        raise IncompatibleDraftError(
+            f"draft {draft_name!r} has {draft_rows} output rows and target {target_name!r} has {target_rows}, "
+            f"but their tokenizer has {real} token ids: the vocabularies ({draft_rows} vs {target_rows}) differ by "
+            "more than padding"
+        )
+    return real, target_rows
+
+
 def estimate_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int, batch: int = 1,
                    device: torch.device | None = None) -> int:
     """Weights in `dtype` plus a KV cache of max_len tokens per row, plus activation headroom. A tied output

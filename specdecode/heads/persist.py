@@ -42,8 +42,13 @@ def read_head_config(path: Path) -> HeadConfig:
 
 def load_head(path: str | Path, target: Transformer, kind: str | None = None,
               dtype: torch.dtype | None = None) -> DraftHead:
-    """Load a head for this target (refused, with both fingerprints named, if trained for another)."""
-    path = Path(path).expanduser()
+    """Load a head for this target (refused, with both fingerprints named, if trained for another). `path`: a
+    directory of ours, a public EAGLE / EAGLE-3 / Medusa checkpoint (heads/public.py), or a Hugging Face id."""
+    from specdecode.heads.public import is_public_head_dir, load_public_head
+
+    path = resolve_head_path(path)
+    if is_public_head_dir(path):
+        return load_public_head(path, target, kind, dtype)
     cfg = read_head_config(path)
     if kind is not None and cfg.kind != kind:
         raise IncompatibleHeadError(f"{path} holds a {cfg.kind} head, not a {kind} head")
@@ -56,6 +61,29 @@ def load_head(path: str | Path, target: Transformer, kind: str | None = None,
     head.d2t = head.d2t.long()
     head.attach(target)
     return head.eval().requires_grad_(False)
+
+
+def resolve_head_path(name: str | Path) -> Path:
+    """A head directory, or the cached snapshot of a Hugging Face id (ORG/NAME[@REVISION])."""
+    path = Path(name).expanduser()
+    if not path.exists():
+        from specdecode.hub import HEAD_FILES, is_hub_id, resolve_hub
+
+        if is_hub_id(str(name)):
+            return resolve_hub(str(name), HEAD_FILES)
+    return path
+
+
+def head_kind(name: str | Path) -> str:
+    """"eagle" or "medusa" for a head directory of ours, a public checkpoint or a Hugging Face id (`--head`)."""
+    from specdecode.heads.public import is_public_head_dir
+
+    path = resolve_head_path(name)
+    if not is_public_head_dir(path):
+        return read_head_config(path).kind
+    hf = json.loads((path / CONFIG).read_text()) if (path / CONFIG).exists() else {}
+    medusa = "medusa_num_heads" in hf or any(path.glob("medusa_lm_head*"))
+    return "medusa" if medusa else "eagle"
 
 
 def new_head(target: Transformer, kind: str, d2t: torch.Tensor, intermediate_size: int | None = None,

@@ -60,7 +60,11 @@ def read_gguf_header(path: Path) -> tuple[dict[str, object], dict[str, tuple[int
         raise CorruptModelError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
-def _parse_header(buf: mmap.mmap) -> tuple[dict[str, object], dict[str, tuple[int, ...]]]:
+def _parse_header(
+    buf: mmap.mmap, table: list[tuple[str, tuple[int, ...], int, int]] | None = None
+) -> tuple[dict[str, object], dict[str, tuple[int, ...]]]:
+    """table: if given, receives (name, ggml dims, type id, data offset) per tensor, then ("", (), -1, end of
+    the tensor infos) (gguf_types.check_gguf_tensors)."""
     if buf[:4] != b"GGUF":
         raise ValueError("GGUF magic invalid")
     (version,) = struct.unpack_from("<I", buf, 4)
@@ -115,6 +119,10 @@ def _parse_header(buf: mmap.mmap) -> tuple[dict[str, object], dict[str, tuple[in
         (n_dims,) = struct.unpack_from(e + "I", buf, off)
         shapes[name] = struct.unpack_from(e + f"{n_dims}Q", buf, off + 4)
         off += 4 + 8 * n_dims + 4 + 8  # dims, type, data offset
+        if table is not None:
+            table.append((name, shapes[name], *struct.unpack_from(e + "IQ", buf, off - 12)))
+    if table is not None:
+        table.append(("", (), -1, off))
     return meta, shapes
 
 

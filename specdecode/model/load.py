@@ -28,6 +28,7 @@ from specdecode.model.gguf_loader import (
     open_gguf,
     with_rope_freqs,
 )
+from specdecode.model.gguf_types import check_gguf_tensors, check_state_shapes
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 
@@ -89,9 +90,11 @@ def _converted_dir(gguf_path: Path) -> Path:
 def _convert_gguf(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> None:
     """Dequantize once and store config, weights and tokenizer under out_dir (atomically)."""
     cfg = config_from_gguf_file(gguf_path)  # the header first: a damaged or unsupported file fails in ms
+    check_gguf_tensors(gguf_path)  # tensor types, and the tensor table against the file's size
     reader = open_gguf(gguf_path)
     cfg = with_rope_freqs(cfg, reader)  # Llama 3.x RoPE scaling lives in a tensor
     tensors = dict(iter_state_dict(reader, cfg, dtype))
+    check_state_shapes(gguf_path, cfg, tensors)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
     try:

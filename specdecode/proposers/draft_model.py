@@ -38,8 +38,13 @@ class DraftModelProposer:
         tree_width: int = 1,
         tree_branching: int = 2,
         prompt_lookup: tuple[int, int] | None = None,
+        vocab: tuple[int, int] | None = None,
     ) -> None:
         self.model = model
+        self.vocab = vocab
+        """(real vocabulary, target's output rows) when the draft's output rows are padded differently from the
+        target's (`validation.check_draft_rows`): its logits are cut to the tokenizer's real ids and laid out
+        over the target's rows, -inf elsewhere, so a padding row is never proposed. None: same rows."""
         self.prompt_lookup = prompt_lookup
         """(min_n, max_n) to draft a chain with prompt-lookup guesses checked in one draft forward (see
         `_propose_chain`), or None for one draft forward per token. (Trees get the guess as one more branch
@@ -102,13 +107,30 @@ class DraftModelProposer:
             return None
         dev = self.model.device
         start = self.num_cached
-        tokens = torch.tensor([ids], device=dev)
+        tokens = self._in_rows(torch.tensor([ids], device=dev))
         positions = torch.arange(start, start + len(ids), device=dev).unsqueeze(0)
         hidden = self.model(tokens, positions, self.cache)  # [1, len(ids), H]
         self.forwards += 1
         self.num_cached = start + len(ids)
         self.cache.set_length(0, self.num_cached)
-        return self.model.compute_logits(hidden[0, -1:] if last_only else hidden[0])
+        return self._logits(hidden[0, -1:] if last_only else hidden[0])
+
+    def _in_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A token beyond the draft's rows (a padding id the target emitted, vanishingly rare) is read as id 0:
+        the draft's guesses after it get worse, never the output."""
+        if self.vocab is None:
+            return tokens
+        return tokens.masked_fill(tokens >= self.model.config.vocab_size, 0)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[m, D] -> fp32 logits over the target's ids [m, V]."""
+        logits = self.model.compute_logits(hidden)
+        if self.vocab is None:
+            return logits
+        real, rows = self.vocab
+        out = logits.new_full((*logits.shape[:-1], rows), float("-inf"))
+        out[..., :real] = logits[..., :real]
+        return out
 
     def propose(self, seq: SequenceView, k: int) -> Draft:
         self._guessed, self._proposed = False, 0
@@ -240,9 +262,9 @@ class DraftModelProposer:
         dev = self.model.device
 
         def expand(level: TreeLevel) -> torch.Tensor:
-            hidden = self.model(level.tokens[None].to(dev), level.positions[None].to(dev), self.cache,
+            hidden = self.model(self._in_rows(level.tokens[None].to(dev)), level.positions[None].to(dev), self.cache,
                                 slots=level.slots[None].to(dev), attn_mask=level.mask[None].to(dev))
-            return self.model.compute_logits(hidden[0])  # [m, V]
+            return self._logits(hidden[0])  # [m, V]
 
         width = level_width(self.tree_width, self.node_budget, depth)
         draft = grow_tree(logits, depth, width, self.tree_branching, base, expand,

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server: `specdecode serve` (see the README's "Serving" section).
+"""OpenAI-compatible HTTP server: `specdecode serve` (docs/serving.md).
 
 `build_app(llm, ...)` returns the FastAPI app; `AsyncEngine` runs a BatchEngine on a background thread.
 Attributes load lazily, so `specdecode --help` (which builds the serve parser) never imports FastAPI.

@@ -33,6 +33,7 @@ from specdecode.engine.llm import LLM
 from specdecode.engine.sequence import Sequence
 from specdecode.sampling import SamplingParams
 from specdecode.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, Update
+from specdecode.server.errors import APIError
 from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdecode.server.protocol import (
     ChatCompletionRequest,
@@ -45,6 +46,7 @@ from specdecode.server.protocol import (
     SpeculativeUsage,
     Usage,
 )
+from specdecode.server.tokenize_routes import tokenizer_router
 
 logger = logging.getLogger("specdecode.server")
 
@@ -63,13 +65,6 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -243,16 +238,19 @@ class _Server:
 
     # ---- request preparation --------------------------------------------------------------------------
 
-    def _check_common(self, body: ChatCompletionRequest | CompletionRequest) -> None:
-        if body.model is not None and body.model not in self.accepted_names:
-            raise APIError(400, f"model {body.model!r} is not served here; this server serves "
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.accepted_names:
+            raise APIError(400, f"model {model!r} is not served here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", "model", "model_not_found")
+
+    def _check_common(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        self.check_model(body.model)
         if body.n not in (None, 1):
             raise APIError(400, "n > 1 is not supported; send one request per completion", "n")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
 
-    async def _run_tokenizer(self, fn: Callable[[], list[int]]) -> list[int]:
+    async def run_tokenizer(self, fn: Callable[[], list[int]]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn)
 
     def _sequence(self, body: ChatCompletionRequest | CompletionRequest, ids: list[int], prompt_field: str,
@@ -321,7 +319,7 @@ class _Server:
             _check_text(prompt, "prompt")
             text = prompt
             try:
-                ids = await self._run_tokenizer(lambda: self.llm.tokenizer.encode(text))
+                ids = await self.run_tokenizer(lambda: self.llm.tokenizer.encode(text))
             except Exception as exc:
                 raise APIError(400, f"cannot tokenize the prompt: {exc}", "prompt") from None
         else:
@@ -343,7 +341,7 @@ class _Server:
             return self.llm.chat_prompt_ids(messages)
 
         try:
-            ids = await self._run_tokenizer(encode)
+            ids = await self.run_tokenizer(encode)
         except Exception as exc:  # the model's template may reject a conversation (roles, order)
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -503,6 +501,11 @@ def build_app(
             ctx = detail.get("ctx") or {}
             return error_response(metrics, 400, f"the body is not valid JSON: {ctx.get('error', detail['msg'])}",
                                   None, "invalid_json")
+        unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+        if unknown:
+            names = [_param_from_loc(tuple(e.get("loc", ()))) or "body" for e in unknown]
+            return error_response(metrics, 400, f"Unrecognized request argument supplied: {', '.join(names)}",
+                                  names[0], "unrecognized_argument")
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         param = _param_from_loc(tuple(first.get("loc", ())))
         if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
@@ -577,6 +580,8 @@ def build_app(
                          "finish_reason": final.finish_reason}],
             "usage": server.usage(stream, final),
         })
+
+    app.include_router(tokenizer_router(server))
 
     # Outermost first: the auth check, then the body limit, then FastAPI.
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes, metrics=metrics)

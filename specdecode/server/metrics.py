@@ -17,7 +17,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
-    """Every metric the server exports (see the README's "Serving" section for their meaning)."""
+    """Every metric the server exports (docs/serving.md says what each means)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

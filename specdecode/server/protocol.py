@@ -2,9 +2,11 @@
 
 Numbers are strict (no "10" for 10, no true for 1; an integer is fine where a float is expected),
 NaN and infinities are refused, and ranges match ``SamplingParams``'s, so bad input fails
-validation (a 400) before any engine work. Unknown fields are ignored, as OpenAI-compatible
-servers usually do. Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids`` and ``speculative``.
+validation (a 400) before any engine work. A field the server does not know or does not implement
+is a 400 naming it, as OpenAI's own API answers ("Unrecognized request argument supplied: X"), never
+silently ignored. ``user``, ``metadata``, ``store`` and ``service_tier`` are accepted as metadata
+only: they change nothing in the generation. Extensions beyond OpenAI: ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` and ``speculative``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-class SpeculativeOptions(_Model):
+class _Request(BaseModel):
+    """A request part: an unknown field is an error (it would otherwise be silently dropped)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class SpeculativeOptions(_Request):
     """Per-request speculation: ``{"num_speculative_tokens": 0}`` turns it off for this request."""
 
     num_speculative_tokens: Annotated[StrictInt, Field(ge=0, le=32)] | Literal["auto"] | None = Field(
@@ -36,11 +44,11 @@ class SpeculativeOptions(_Model):
                           "or \"auto\"/null for the server's policy.")
 
 
-class StreamOptions(_Model):
+class StreamOptions(_Request):
     include_usage: StrictBool | None = False
 
 
-class _SamplingFields(_Model):
+class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: StrictStr | None = Field(None, description="The served model name (see GET /v1/models).")
@@ -56,7 +64,12 @@ class _SamplingFields(_Model):
     seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
+    # metadata only: accepted and not used by the generation
     user: StrictStr | None = None
+    metadata: Annotated[dict[StrictStr, Annotated[StrictStr, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
     # extensions (vLLM names)
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
     min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
@@ -79,12 +92,12 @@ class CompletionRequest(_SamplingFields):
     best_of: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
 
 
-class TextPart(_Model):
+class TextPart(_Request):
     type: Literal["text"]
     text: StrictStr
 
 
-class ChatMessage(_Model):
+class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | Annotated[list[TextPart], Field(max_length=1024)] | None = None
     name: StrictStr | None = None
@@ -222,3 +235,37 @@ class ErrorInfo(_Model):
 
 class ErrorResponse(_Model):
     error: ErrorInfo
+
+
+# ---- tokenizer endpoints (vLLM's shapes) ---------------------------------------------------------------
+
+
+class TokenizeRequest(_Request):
+    """Either a completion ``prompt`` or chat ``messages`` (the chat template applied), not both."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(_Model):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: StrictStr | None = None
+    tokens: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_TOKENS_LIMIT)]
+
+
+class DetokenizeResponse(_Model):
+    prompt: str
+
+
+class VersionResponse(_Model):
+    version: str

@@ -195,7 +195,7 @@ TARGET void woq_int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 // bf16 numbers 128 + q in the weights' own order (bits 0x4300 | q), all in-lane.
 // Rows come in tiles of NR4 (`native_kernels.tile_rows(packed, 4)`): chunk c of row r of a block is at
 // tile + (c * NR4 + r) * 64, so a block reads one sequential stream rather than NR4 streams a row apart
-// (decode step of the int4 1.5B target: 42-44 ms against 46-53 on 2 Intel Xeon cores, BENCHMARKS.md).
+// (decode step of the int4 1.5B target: 42-44 ms against 46-53 on 2 Intel Xeon cores, docs/kernels.md).
 
 #define NR4 4
 #define MB4 2

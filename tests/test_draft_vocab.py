@@ -1,0 +1,97 @@
+"""Draft vocabularies: a draft whose tokenizer is the target's but whose embeddings/output rows are padded
+differently (Qwen2.5: 151,936 vs 152,064 rows) is accepted and never proposes a padding row; a real mismatch is
+refused naming both vocabularies."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import _save_tokenizer
+from safetensors.torch import load_file, save_file
+from tiny_helpers import GREEDY, tiny_prompts
+
+from specdecode import LLM
+from specdecode.engine.validation import IncompatibleDraftError
+from specdecode.proposers.draft_model import DraftModelProposer
+
+
+def padded_copy(src: Path, dst: Path, extra: int) -> Path:
+    """src with `extra` padding rows whose output logits would win every argmax if they were ever proposed."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["vocab_size"] += extra
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        emb = tensors["model.embed_tokens.weight"]
+        tensors["model.embed_tokens.weight"] = torch.cat([emb, torch.zeros(extra, emb.shape[1])])
+        head = tensors["lm_head.weight"]
+        tensors["lm_head.weight"] = torch.cat([head, 50.0 * torch.ones(extra, head.shape[1])])
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst
+
+
+def draft(model: Path, k: int = 4, **kw: object) -> dict[str, object]:
+    return {"method": "draft", "model": str(model), "num_speculative_tokens": k, "draft_dtype": "fp32", **kw}
+
+
+def test_padded_draft_is_accepted_and_lossless(plain_tiny, tiny_llama_dir: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    _, want = plain_tiny
+    padded = padded_copy(tiny_llama_dir, tmp_path / "padded", 64)
+    for spec in (draft(padded), draft(padded, draft_tree_width=3)):
+        llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=spec)
+        assert isinstance(llm.proposer_factory(), DraftModelProposer)
+        outs = llm.generate(tiny_prompts(llm), GREEDY)
+        assert [o.token_ids for o in outs] == want
+        # The draft is the target's own weights: with padding rows never proposed, nearly every token is taken.
+        assert all(o.metrics["acceptance_by_position"][0] > 0.9 for o in outs), [o.metrics for o in outs]
+        assert max(t for o in outs for t in o.token_ids) < 320
+
+
+def test_padded_target_with_unpadded_draft_is_lossless(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    target = padded_copy(tiny_llama_dir, tmp_path / "target", 128)  # the 152,064 side
+    plain = LLM(str(target), dtype="fp32", device="cpu")
+    prompts = tiny_prompts(plain)
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    # Its padding rows score high here, so it even emits padding ids, which the draft has no rows for.
+    assert any(t >= 320 for ids in want for t in ids)
+    spec = LLM(str(target), dtype="fp32", device="cpu", speculative_config=draft(tiny_llama_dir))
+    assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == want
+
+
+def test_padded_draft_never_proposes_padding_rows(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    padded = padded_copy(tiny_llama_dir, tmp_path / "padded", 64)
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=draft(padded))
+    proposer = llm.proposer_factory()
+    assert proposer.vocab == (320, 320)
+    logits = proposer._logits(torch.zeros(2, 64))
+    assert logits.shape == (2, 320)  # laid out over the target's rows; the padding rows are gone
+    raw = proposer.model.compute_logits(torch.ones(1, 64))
+    assert raw.shape[-1] == 384 and int(raw.argmax()) >= 320  # unmasked, a padding row would win
+
+
+def test_draft_with_another_tokenizer_is_refused_naming_both_sizes(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama_dir, other)
+    for f in other.glob("tokenizer*"):
+        f.unlink()
+    n = _save_tokenizer(other, 300)
+    with pytest.raises(IncompatibleDraftError) as info:
+        LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=draft(other))
+    msg = str(info.value)
+    assert f"{n} tokens" in msg and "320" in msg and str(other) in msg and str(tiny_llama_dir) in msg
+
+
+def test_padded_draft_when_sampling(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from specdecode import SamplingParams
+
+    padded = padded_copy(tiny_llama_dir, tmp_path / "padded", 64)
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=draft(padded))
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=3, ignore_eos=True)
+    outs = llm.generate(tiny_prompts(llm), params)
+    assert all(len(o.token_ids) == 24 and max(o.token_ids) < 320 for o in outs)
+    assert outs[0].metrics["accepted_tokens"] > 0
