@@ -1,7 +1,7 @@
 """Tiny random checkpoints of each supported family, built with transformers' own config and model classes, and
 GGUF files written from them the way llama.cpp's convert_hf_to_gguf.py does (its architecture names, metadata
 keys and tensor names from the `gguf` package, Q/K row permutation for `llama`, +1 on Gemma's norm weights,
-Llama 3.x RoPE scaling as a rope_freqs tensor)."""
+Llama 3.x RoPE scaling as a rope_freqs tensor), with the tokenizer as a byte-level BPE vocabulary."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import torch
 from conftest import _save_tokenizer
+from gguf_helpers import add_tokenizer
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -105,6 +106,7 @@ def write_gguf(hf_dir: Path, out: Path, with_rope_freqs: bool = True, window_key
     w = gguf.GGUFWriter(str(out), arch)
     if name is not None:
         w.add_name(name)
+    add_tokenizer(w, hf_dir)  # its tokenizer as a 'gpt2' BPE vocabulary (Tokenizer.from_gguf reads it back)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(n)

@@ -24,7 +24,6 @@ from specdecode.model import native_kernels
 from specdecode.model.config import ModelConfig, UnsupportedModelError
 from specdecode.model.gguf_loader import config_from_gguf, config_from_gguf_file, open_gguf
 from specdecode.model.load import load_model, read_config
-from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer, rope_tables
 
 KINDS = ["llama3", "qwen3", "mistral", "phi3", "gemma2"]
@@ -40,6 +39,7 @@ class Arch:
     gguf_path: Path
     other_dir: Path
     """Same family and tokenizer, other weights: a draft that is often wrong."""
+    other_gguf: Path
     prompt64: list[int]
     prompt: list[int]
     """A repetitive prompt (n-gram lookup drafts from it) for generation."""
@@ -49,17 +49,18 @@ class Arch:
     def path(self, form: str) -> str:
         return str(self.hf_dir if form == "hf" else self.gguf_path)
 
+    def other(self, form: str) -> str:
+        return str(self.other_dir if form == "hf" else self.other_gguf)
+
 
 @pytest.fixture(scope="module")
 def _env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Path, Path]]:
-    """A private SPECDECODE_HOME (GGUF conversions land there), and the tokenizer of a test GGUF taken from the
-    directory it was written from: the tiny files carry no vocabulary (tokenizers are not what is tested)."""
+    """A private SPECDECODE_HOME (GGUF conversions land there); the dict records which directory each test GGUF
+    was written from."""
     home = tmp_path_factory.mktemp("home")
-    dirs: dict[Path, Path] = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECDECODE_HOME", str(home))
-        mp.setattr(Tokenizer, "from_gguf", classmethod(lambda cls, p: cls.from_dir(dirs[Path(p)])))
-        yield dirs
+        yield {}
 
 
 def _hf_greedy(model, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
@@ -78,14 +79,16 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     hf_dir = make_hf_dir(root / "hf", kind, seed=0)
     other = make_hf_dir(root / "other", kind, seed=1)
     path = write_gguf(hf_dir, root / f"{kind}.gguf")
-    _env[path] = hf_dir
+    other_gguf = write_gguf(other, root / f"{kind}-other.gguf")
+    _env[path], _env[other_gguf] = hf_dir, other
     ref = reference_model(hf_dir)
     g = torch.Generator().manual_seed(5)
     prompt64 = torch.randint(3, ref.config.vocab_size, (64,), generator=g).tolist()
     with torch.no_grad():
         ref_logits = ref(torch.tensor([prompt64])).logits[0].float()
     prompt = [17, 86, 70, 16, 289, 17, 86, 70, 16, 289, 17, 86, 70, 40, 41, 42, 17, 86, 70, 16]
-    return Arch(kind, hf_dir, path, other, prompt64, prompt, ref_logits, _hf_greedy(ref, prompt, NEW_TOKENS))
+    return Arch(kind, hf_dir, path, other, other_gguf, prompt64, prompt, ref_logits,
+                _hf_greedy(ref, prompt, NEW_TOKENS))
 
 
 def _random_heads(target: Transformer, root: Path) -> dict[str, Path]:
@@ -137,7 +140,7 @@ def test_greedy_and_speculative_equal_transformers(arch: Arch, form: str, tmp_pa
         # Unigram lookup: random tiny models rarely repeat a bigram, but they repeat tokens.
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
         {"method": "draft", "model": path, "num_speculative_tokens": 4, "draft_dtype": "fp32"},
-        {"method": "draft", "model": str(arch.other_dir), "num_speculative_tokens": 3, "draft_dtype": "fp32",
+        {"method": "draft", "model": arch.other(form), "num_speculative_tokens": 3, "draft_dtype": "fp32",
          "draft_tree_width": 4},
     ]
     heads = _random_heads(plain.target.model, tmp_path)
