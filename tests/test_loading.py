@@ -276,8 +276,11 @@ def test_hf_config_with_unsupported_rope_scaling(tiny_llama_dir: Path, key: str)
     hf = json.loads((tiny_llama_dir / "config.json").read_text())
     assert ModelConfig.from_hf_dict(hf).rope_theta == 10000.0  # the default rope is accepted
     hf.pop("rope_scaling", None)
-    hf[key] = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}
-    with pytest.raises(UnsupportedModelError, match="llama3"):
+    hf[key] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 500000.0}
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_hf_dict(hf)
+    hf[key] = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}  # supported, but incomplete
+    with pytest.raises(UnsupportedModelError, match="llama3 lacks 'low_freq_factor'"):
         ModelConfig.from_hf_dict(hf)
 
 

@@ -1,11 +1,14 @@
-"""Architecture hyper-parameters of a Llama/Qwen2-family decoder."""
+"""Architecture hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2).
+
+Hugging Face `config.json` and GGUF metadata are mapped in `architectures.py`; anything this runtime does not
+compute exactly is refused there with `UnsupportedModelError`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
 
 
 class UnsupportedModelError(ValueError):
@@ -14,7 +17,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: Literal["llama", "qwen2"]
+    arch: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,8 +32,34 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     """Qwen2 has biases on the q/k/v projections."""
+    rope_type: str = "default"
+    """"default"; "llama3" (Llama 3.1+ frequency scaling, `rope_llama3`); "freq_factors" (per-frequency divisors
+    `rope_freq_factors`: a GGUF's rope_freqs tensor, as llama.cpp's converter writes Llama 3.x scaling)."""
+    rope_llama3: tuple[float, float, float, float] | None = None
+    """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) of `rope_type` llama3."""
+    rope_freq_factors: tuple[float, ...] | None = None
+    """head_dim / 2 divisors of the inverse frequencies; None in a config read from a GGUF header alone (the
+    tensor is read with the weights), and then the RoPE tables refuse to build."""
+    qk_norm: bool = False
+    """Qwen3: RMSNorm over each head's q and k before RoPE."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: "silu" or "gelu_pytorch_tanh" (Gemma's GeGLU)."""
+    gemma_norms: bool = False
+    """Gemma 2: RMSNorm weights as offsets (x * (1 + w)), norms after attention and around the MLP, embeddings
+    scaled by sqrt(hidden_size)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores scale by this ** -0.5 instead of head_dim ** -0.5 (Gemma 2)."""
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    """Layers in `sliding_layers` attend to the last `sliding_window` positions only (the query's included)."""
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("rope_llama3", "rope_freq_factors", "sliding_layers"):  # lists after a JSON round trip
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
         if self.arch not in SUPPORTED_ARCHS:
             raise UnsupportedModelError(
                 f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
@@ -49,7 +78,22 @@ class ModelConfig:
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
         per_layer = q + kv + o + bias + 3 * d * f + 2 * d
         emb = v * d
+        per_layer += 2 * self.head_dim if self.qk_norm else 0
+        per_layer += 2 * d if self.gemma_norms else 0
         return self.num_layers * per_layer + d + emb + (0 if self.tie_word_embeddings else emb)
+
+    @property
+    def plain_layers(self) -> bool:
+        """Llama/Qwen2 layers (SiLU MLP, pre-norms, plain softmax attention at head_dim ** -0.5, RoPE on q and k
+        straight from the projection) with one sliding window for all layers or none: what the native decode
+        kernels (`native_stack`, `native_kernels.rope_qkv`) compute."""
+        uniform_window = self.sliding_window is None or len(self.sliding_layers) == self.num_layers
+        return (not self.qk_norm and self.hidden_act == "silu" and not self.gemma_norms and uniform_window
+                and self.query_pre_attn_scalar is None and self.attn_logit_softcapping is None)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of a layer; None when it attends to the whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token across all layers."""
@@ -57,31 +101,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ModelConfig:
-        """Map a Hugging Face `config.json` dict."""
-        model_type = cfg.get("model_type", "")
-        arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}.get(model_type)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"unsupported architecture {model_type!r} ({cfg.get('architectures')}); "
-                f"supported: {', '.join(SUPPORTED_ARCHS)}"
-            )
-        # transformers >= 5 writes the scaling into rope_parameters (rope_type "default" when none).
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise UnsupportedModelError(f"rope_scaling {scaling} is not supported")
-        heads = cfg["num_attention_heads"]
-        return cls(
-            arch=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        )
+        """Map a Hugging Face `config.json` dict (refusing what is not computed exactly)."""
+        from specdecode.model.architectures import config_kwargs_from_hf
+
+        return cls(**config_kwargs_from_hf(cfg))

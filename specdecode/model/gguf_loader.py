@@ -1,11 +1,12 @@
 """Read a GGUF file (llama.cpp's format) into our config and a HF-named state dict.
 
-Dequantization is the `gguf` package's; we only map names and undo the Q/K row
-permutation that llama.cpp's converter applies to Llama-architecture checkpoints.
+Dequantization is the `gguf` package's; we only map names and undo what llama.cpp's converter did
+(the Q/K row permutation of Llama-architecture checkpoints, Gemma's +1 on norm weights: `architectures`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import struct
 from collections.abc import Callable, Iterator
@@ -16,7 +17,8 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from specdecode.model.config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
+from specdecode.model import architectures
+from specdecode.model.config import ModelConfig, UnsupportedModelError
 
 
 class CorruptModelError(ValueError):
@@ -126,7 +128,21 @@ def _parse_header(
 
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
-    return config_from_metadata(metadata(reader), shapes)
+    return with_rope_freqs(config_from_metadata(metadata(reader), shapes), reader)
+
+
+def with_rope_freqs(cfg: ModelConfig, reader: GGUFReader) -> ModelConfig:
+    """The config with the rope_freqs tensor's values (a header-only config has the type, not the values)."""
+    if cfg.rope_type != "freq_factors" or cfg.rope_freq_factors is not None:
+        return cfg
+    tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1)
+    except Exception as exc:
+        raise CorruptModelError(f"tensor rope_freqs.weight could not be read ({exc})") from exc
+    if not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise CorruptModelError("rope_freqs.weight holds non-positive or non-finite frequency factors")
+    return dataclasses.replace(cfg, rope_freq_factors=tuple(float(v) for v in values))
 
 
 def config_from_gguf_file(path: Path) -> ModelConfig:
@@ -135,12 +151,8 @@ def config_from_gguf_file(path: Path) -> ModelConfig:
 
 
 def config_from_metadata(meta: dict[str, object], shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
-    arch = str(meta.get("general.architecture"))
-    if arch not in SUPPORTED_ARCHS:
-        raise UnsupportedModelError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UnsupportedModelError(f"rope scaling {scaling!r} ({arch}.rope.scaling.type) is not supported")
+    arch_fields = architectures.config_kwargs_from_gguf(meta, shapes)  # refuses what we do not compute
+    arch = arch_fields["arch"]
     if "token_embd.weight" not in shapes:
         raise CorruptModelError("the GGUF has no token_embd.weight tensor")
 
@@ -152,8 +164,7 @@ def config_from_metadata(meta: dict[str, object], shapes: dict[str, tuple[int, .
     vocab = int(shapes["token_embd.weight"][1])  # GGUF shapes are in ggml order: [cols, rows]
     heads = int(req("attention.head_count"))
     hidden = int(req("embedding_length"))
-    return ModelConfig(
-        arch=arch,  # type: ignore[arg-type]
+    common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(req("feed_forward_length")),
@@ -167,30 +178,12 @@ def config_from_metadata(meta: dict[str, object], shapes: dict[str, tuple[int, .
         tie_word_embeddings="output.weight" not in shapes,
         attention_bias="blk.0.attn_q.bias" in shapes,
     )
+    return ModelConfig(**{**common, **arch_fields})  # type: ignore[arg-type]
 
 
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _TOP_NAMES:
-        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
-    return None
+    return architectures.gguf_hf_name(arch, gguf_name)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -204,9 +197,13 @@ def iter_state_dict(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, tensor) one at a time so peak memory stays near the final size."""
     for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None:
-            continue  # e.g. rope_freqs: not needed by our runtime
+        if t.name in architectures.GGUF_NON_WEIGHTS:
+            continue  # rope_freqs: read into the config (`with_rope_freqs`)
+        name = hf_name(t.name, cfg.arch)
+        if name is None:  # a tensor we have no use for would change the maths: never drop one silently
+            raise UnsupportedModelError(
+                f"tensor {t.name} of this {cfg.arch} GGUF is not part of the supported {cfg.arch} layout"
+            )
         try:
             arr = dequantize(t.data, t.tensor_type)
         except NotImplementedError as exc:
@@ -217,6 +214,7 @@ def iter_state_dict(
             arr = _unpermute(arr, cfg.num_heads)
         elif cfg.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = _unpermute(arr, cfg.num_kv_heads)
+        arr = architectures.gguf_tensor_fixup(cfg, name, arr)
         if on_tensor is not None:
             on_tensor(name)
         arr = np.ascontiguousarray(arr)

@@ -51,6 +51,9 @@ class KVCache:
         self.max_len = max_len
         self.lengths = [0] * batch_size
         """Valid prefix length per row: slots [0, length) hold the sequence's tokens."""
+        self.pos = torch.zeros(batch_size, max_len, dtype=torch.int64, device=device)
+        """The rope position of each slot's entry [B, S], written by models with a sliding window (which
+        masks by position distance) and moved with the entries."""
 
     @property
     def batch_size(self) -> int:
@@ -73,6 +76,14 @@ class KVCache:
         # Index a [B, S, kvh, hd] view so advanced indexing writes through to storage.
         self.k[layer].transpose(1, 2)[rows, index] = k.transpose(1, 2)
         self.v[layer].transpose(1, 2)[rows, index] = v.transpose(1, 2)
+
+    def write_positions(self, slots: CacheSlots, positions: torch.Tensor) -> None:
+        """Record the rope positions [B, T] of the entries written at `slots`."""
+        if slots.start is not None:
+            self.pos[:, slots.start : slots.start + positions.shape[1]] = positions
+            return
+        rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)
+        self.pos[rows, slots.index] = positions
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every slot of `layer`: [B, kvh, S, hd] views, for kernels that write in place."""
@@ -101,6 +112,7 @@ class KVCache:
         n = len(src_slots)
         self.k[:, row, :, dst_start : dst_start + n] = self.k[:, row, :, src]
         self.v[:, row, :, dst_start : dst_start + n] = self.v[:, row, :, src]
+        self.pos[row, dst_start : dst_start + n] = self.pos[row, src]
 
     def reset(self, row: int | None = None) -> None:
         if row is None:
@@ -113,6 +125,7 @@ class KVCache:
         view = object.__new__(KVCache)
         view.k = self.k[:, start:stop]
         view.v = self.v[:, start:stop]
+        view.pos = self.pos[start:stop]
         view.max_len = self.max_len
         view.lengths = self.lengths[start:stop]  # a copy: the owner keeps the authoritative lengths
         return view
@@ -122,5 +135,6 @@ class KVCache:
         n = self.lengths[src]
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.pos[dst, :n] = self.pos[src, :n]
         self.lengths[dst] = n
         self.lengths[src] = 0

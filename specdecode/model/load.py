@@ -21,12 +21,14 @@ from safetensors.torch import save_file
 
 from specdecode.fetch import models_home, resolve_model
 from specdecode.log import progress_bar, timed_step
-from specdecode.model.config import ModelConfig
+from specdecode.model.architectures import hf_state_dict
+from specdecode.model.config import ModelConfig, UnsupportedModelError
 from specdecode.model.gguf_loader import (
     CorruptModelError,
     config_from_gguf_file,
     iter_state_dict,
     open_gguf,
+    with_rope_freqs,
 )
 from specdecode.model.gguf_types import check_gguf_tensors, check_state_shapes
 from specdecode.model.tokenizer import Tokenizer
@@ -66,7 +68,7 @@ def _dtype_tag(dtype: torch.dtype) -> str:
 def _build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    missing, unexpected = model.load_state_dict(hf_state_dict(cfg, tensors), strict=False, assign=True)
     allowed_missing = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
         raise CorruptModelError(f"weights do not match the architecture: missing {missing}, unexpected {unexpected}")
@@ -94,6 +96,7 @@ def _convert_gguf(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> None:
     cfg = config_from_gguf_file(gguf_path)  # the header first: a damaged or unsupported file fails in ms
     check_gguf_tensors(gguf_path)  # tensor types, and the tensor table against the file's size
     reader = open_gguf(gguf_path)
+    cfg = with_rope_freqs(cfg, reader)  # Llama 3.x RoPE scaling lives in a tensor
     with progress_bar(total=len(reader.tensors), desc=f"converting {gguf_path.name}", unit="tensor") as bar:
         tensors = dict(iter_state_dict(reader, cfg, dtype, on_tensor=lambda _: bar.update(1)))
     check_state_shapes(gguf_path, cfg, tensors)
@@ -115,6 +118,8 @@ def converted_gguf(path: Path, dtype: torch.dtype) -> tuple[Path, Path]:
     """(converted dir, weights file) for a GGUF in `dtype`, converting it on first use."""
     conv = _converted_dir(path)
     weights = conv / f"model-{_dtype_tag(dtype)}.safetensors"
+    if _stale_conversion(path, conv / "specdecode_config.json"):
+        shutil.rmtree(conv, ignore_errors=True)
     if not weights.exists():
         logger.info("converting %s to %s on first use (dequantizing every tensor once)", path.name, _dtype_tag(dtype))
         try:
@@ -125,6 +130,21 @@ def converted_gguf(path: Path, dtype: torch.dtype) -> tuple[Path, Path]:
             _forget_cached(path)
             raise
     return conv, weights
+
+
+def _stale_conversion(path: Path, cfg_file: Path) -> bool:
+    """Whether a converted copy's config says less than the GGUF's header (a copy written before the runtime
+    read e.g. rope_freqs or sliding windows would load another model): then it is converted again."""
+    if not cfg_file.exists():
+        return False
+    try:
+        stored = ModelConfig(**json.loads(cfg_file.read_text()))
+    except (TypeError, ValueError):
+        return True
+    header = config_from_gguf_file(path)  # the header only: milliseconds
+    if stored.rope_type == "freq_factors" and stored.rope_freq_factors is None:
+        return True
+    return dataclasses.replace(stored, rope_freq_factors=None) != header
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer, ModelConfig]:
@@ -164,9 +184,9 @@ def read_config(path: Path) -> ModelConfig:
     if path.is_dir():
         return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
     conv = _converted_dir(path) / "specdecode_config.json"
-    if conv.exists():
-        return ModelConfig(**json.loads(conv.read_text()))
     try:
+        if conv.exists() and not _stale_conversion(path, conv):
+            return ModelConfig(**json.loads(conv.read_text()))
         return config_from_gguf_file(path)  # the header only: no weights, no vocabulary
     except CorruptModelError:
         _forget_cached(path)
@@ -192,6 +212,9 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer.from_gguf(path)
 
 
+_PLAIN_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+
+
 def hf_checkpoint_dir(path: Path, dtype: torch.dtype) -> Path:
     """Our dequantized copy of a GGUF laid out as a Hugging Face checkpoint (config.json, safetensors,
     tokenizer), so a reference implementation runs on exactly the weights our runtime runs on."""
@@ -199,6 +222,11 @@ def hf_checkpoint_dir(path: Path, dtype: torch.dtype) -> Path:
         return path
     conv, weights = converted_gguf(path, dtype)
     cfg = ModelConfig(**json.loads((conv / "specdecode_config.json").read_text()))
+    if cfg != ModelConfig(**{**dataclasses.asdict(cfg), **_PLAIN_FIELDS, "arch": cfg.arch}) or cfg.arch not in (
+            "llama", "qwen2"):
+        # This writer maps plain Llama/Qwen2 configs only: anything else would make the reference compute
+        # another model.
+        raise UnsupportedModelError(f"a Hugging Face reference copy of a {cfg.arch} GGUF with {cfg} is not supported")
     out = conv / f"hf-{_dtype_tag(dtype)}"
     out.mkdir(exist_ok=True)
     hf_cfg = {

@@ -91,7 +91,10 @@ class NativeStack:
 
 
 def build(model: nn.Module) -> NativeStack | None:
-    """The stack of a `Transformer` with fused projections, bf16 norms and native linears; else None."""
+    """The stack of a `Transformer` with fused projections, bf16 norms and native linears; else None, as for
+    layers the kernel does not compute (q/k norms, Gemma's norms, GeGLU, soft-capping: `plain_layers`)."""
+    if not model.config.plain_layers:
+        return None
     layers = list(model.model.layers)
     entries, modules, max_rows = [], [], 1 << 30
     eps = {float(layer.input_layernorm.eps) for layer in layers} | {float(layer.post_attention_layernorm.eps)

@@ -1,4 +1,4 @@
-"""Our Llama/Qwen2-family decoder in plain PyTorch (gpt-fast style).
+"""Our Llama-family decoder in plain PyTorch (gpt-fast style): Llama 1-3, Mistral, Qwen2/3, Phi-3, Gemma 2.
 
 Module names follow Hugging Face's state-dict keys so safetensors load without renaming.
 The forward takes explicit rope positions, explicit cache slots and an optional
@@ -11,18 +11,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.model import native_kernels, native_stack
+from specdecode.model import native_kernels, native_stack, rope
 from specdecode.model.config import ModelConfig
 from specdecode.model.kv_cache import CacheSlots, KVCache
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
+        self.offset = offset
+        """Gemma: the weight is an offset, x * (1 + weight) in fp32, as its reference computes."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         if native_kernels.glue_applies(x) and self.weight.dtype == torch.bfloat16:
             return native_kernels.rms_norm(x, self.weight, self.eps)  # ~40 us -> ~2 us a norm on 2 cores
         # fp32 statistics, as the reference implementation does; torch's fused kernel gives its result bit
@@ -33,9 +37,7 @@ class RMSNorm(nn.Module):
 def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin [max_len, head_dim] in fp32 (HF rotate_half layout): the first half of
     sin is negated, so that rotate_half(x) * sin == x.roll(head_dim / 2) * (the table), bit for bit."""
-    inv_freq = 1.0 / (
-        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).float() / cfg.head_dim)
-    )
+    inv_freq = rope.inv_freq(cfg, device)  # RoPE scaling changes only these: the native kernels read the tables
     t = torch.arange(max_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -82,6 +84,23 @@ def attention_inputs(
     return cos, sin, kv_len, mask, write
 
 
+def sliding_window_mask(
+    cache: KVCache,
+    positions: torch.Tensor,  # [B, T]
+    kv_len: int,
+    mask: torch.Tensor | None,  # [B, 1, T, S] or None: every slot up to kv_len
+    window: int,
+) -> torch.Tensor | None:
+    """`mask` limited to the keys whose rope position is within `window` of the query's (HF's
+    kv_pos > q_pos - window): positions, not slots, because a tree's nodes sit in slots past their
+    positions. None (= `mask`) while no query is `window` positions in."""
+    if int(positions.max()) < window:
+        return mask
+    key_pos = cache.pos[:, :kv_len]  # [B, S]
+    near = (key_pos.unsqueeze(1) > positions.unsqueeze(-1) - window).unsqueeze(1)  # [B, 1, T, S]
+    return near if mask is None else near & mask
+
+
 SMALL_ATTENTION_TOKENS = 16
 """Off the CPU (CUDA): queries per forward up to which attention uses `small_attention` (decode and verify
 steps). CPU forwards of up to `EXACT_ATTENTION_TOKENS` attend row by row instead."""
@@ -92,6 +111,8 @@ def small_attention(
     keys: torch.Tensor,  # [B, kvh, S, hd]
     values: torch.Tensor,  # [B, kvh, S, hd]
     mask: torch.Tensor | None,  # [B, 1, T, S] bool
+    scale: float | None = None,  # default head_dim ** -0.5
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention for a few queries as two fp32 batched matmuls, grouping the query heads that share a
     KV head. The CPU flash-attention kernel costs ~0.3 ms per call for one query (8 ms per token on a
@@ -100,7 +121,9 @@ def small_attention(
     kvh, s = keys.shape[1], keys.shape[2]
     g = h // kvh
     qg = q.reshape(b, kvh, g * t, hd).float()  # head i uses KV head i // g, as in HF's repeat_kv
-    scores = qg @ keys.float().transpose(-1, -2) * (hd**-0.5)  # [B, kvh, g*T, S]
+    scores = qg @ keys.float().transpose(-1, -2) * (hd**-0.5 if scale is None else scale)  # [B, kvh, g*T, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         m = mask.expand(b, 1, t, s).unsqueeze(2).expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
         scores = scores.masked_fill(~m, float("-inf"))
@@ -121,6 +144,8 @@ def row_attention(
     keys: torch.Tensor,  # [B, kvh, S, hd]
     values: torch.Tensor,  # [B, kvh, S, hd]
     mask: torch.Tensor | None,  # [B, 1, T, S] bool; None: every slot
+    scale: float | None = None,  # default head_dim ** -0.5
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each query over only the slots it sees, gathered in slot order, in fp32. A verified
     token's row then makes the same operations on the same values as the single-token decode of that
@@ -138,7 +163,9 @@ def row_attention(
             k = keys[i].index_select(1, idx).float()  # [kvh, S', hd], contiguous
             v = values[i].index_select(1, idx).float()
             qg = q[i, :, j].float().reshape(kvh, g, hd).contiguous()  # head i uses KV head i // g, as in HF
-            scores = torch.bmm(qg, k.transpose(1, 2)) * (hd**-0.5)  # [kvh, g, S']
+            scores = torch.bmm(qg, k.transpose(1, 2)) * (hd**-0.5 if scale is None else scale)  # [kvh, g, S']
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             out[i, :, j] = torch.bmm(torch.softmax(scores, dim=-1), v).reshape(h, hd).to(q.dtype)
     return out
 
@@ -154,6 +181,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv * self.hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=False)
         self.qkv_proj: nn.Module | None = None
+        if cfg.qk_norm:  # Qwen3: each head's q and k normalised before RoPE
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.scale = (cfg.query_pre_attn_scalar or self.hd) ** -0.5
+        self.sdpa_scale = None if cfg.query_pre_attn_scalar is None else self.scale  # None: SDPA's own 1/sqrt(hd)
+        self.softcap = cfg.attn_logit_softcapping
+        self.native_attend = cfg.attn_logit_softcapping is None
+        """Whether the native attention kernel (plain softmax at any scale) computes this layer's attention."""
+        self.native_rope = not cfg.qk_norm
+        """Whether `native_kernels.rope_qkv` may rope q and k straight from the projection."""
 
     def fuse(self) -> None:
         """Replace q/k/v by one projection: one larger matrix-vector product streams weights faster
@@ -184,17 +222,21 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        fused = native_kernels.attend_applies(x, self.hd) and t <= EXACT_ATTENTION_TOKENS
-        if fused and cache is not None and self.qkv_proj is not None and cache.k.dtype == torch.bfloat16:
+        fused = self.native_attend and native_kernels.attend_applies(x, self.hd) and t <= EXACT_ATTENTION_TOKENS
+        if (fused and self.native_rope and cache is not None and self.qkv_proj is not None
+                and cache.k.dtype == torch.bfloat16):
             # Decode / verification: rope, cache write and attention in two native calls.
             k_layer, v_layer = cache.layer(self.layer_idx)
             q = native_kernels.rope_qkv(self.qkv_proj(x), cos, sin, slots.index, slots.end, k_layer, v_layer,
                                         self.n_heads)
             keys, values = cache.read(self.layer_idx, kv_len)
-            return self.o_proj(native_kernels.attend(q, keys, values, mask, self.hd**-0.5))
+            return self.o_proj(native_kernels.attend(q, keys, values, mask, self.scale))
         q, k, v = self._project(x)
-        q = q.reshape(b, t, self.n_heads, self.hd).transpose(1, 2)
-        k = k.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
+        q = q.reshape(b, t, self.n_heads, self.hd)
+        k = k.reshape(b, t, self.n_kv, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:  # training a head: whole sequences, no cache, keys are this call's own
@@ -203,13 +245,15 @@ class Attention(nn.Module):
             cache.write(self.layer_idx, slots, k, v)
             keys, values = cache.read(self.layer_idx, kv_len)  # [B, kvh, S, hd]
         if fused:
-            return self.o_proj(native_kernels.attend(q, keys, values, mask, self.hd**-0.5))
+            return self.o_proj(native_kernels.attend(q, keys, values, mask, self.scale))
         if t <= EXACT_ATTENTION_TOKENS and q.device.type == "cpu":
-            out = row_attention(q, keys, values, mask)
-        elif t <= SMALL_ATTENTION_TOKENS:  # CUDA: a Python loop over rows would cost more than the forward
-            out = small_attention(q, keys, values, mask)
+            out = row_attention(q, keys, values, mask, self.scale, self.softcap)
+        elif t <= SMALL_ATTENTION_TOKENS or self.softcap is not None:
+            # CUDA: a Python loop over rows would cost more than the forward. SDPA has no soft-capping.
+            out = small_attention(q, keys, values, mask, self.scale, self.softcap)
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.sdpa_scale,
+                                                 enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
 
 
@@ -220,6 +264,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU; else SiLU (SwiGLU)
+
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
 
     def fuse(self) -> None:
         """gate and up as one projection (one pass over the input, one larger product)."""
@@ -231,11 +279,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if native_kernels.glue_applies(x):
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if native_kernels.glue_applies(x) and not self.gelu:
             return self.down_proj(native_kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -243,10 +291,22 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        g = cfg.gemma_norms
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, g)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, g)
+        """Llama: the norm before the MLP. Gemma 2: the norm of the attention's output."""
+        self.gemma = g
+        if g:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, g)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, g)
+        self.sliding = cfg.window_of(layer_idx) is not None
+        """Whether this layer takes the sliding-window mask."""
 
     def forward(self, x, cos, sin, cache, slots, kv_len, mask):  # noqa: ANN001 - shapes as in Attention
+        if self.gemma:
+            h = self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, kv_len, mask)
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, kv_len, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -258,7 +318,7 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
 
 
 class Transformer(nn.Module):
@@ -321,17 +381,25 @@ class Transformer(nn.Module):
         cos, sin, kv_len, mask, slots = attention_inputs(
             self._rope_for(cache.max_len), self.dtype, positions, cache.max_len, slots, attn_mask
         )
+        cfg = self.config
+        window_mask = mask
+        if cfg.sliding_window is not None:
+            cache.write_positions(slots, positions)
+            window_mask = sliding_window_mask(cache, positions, kv_len, mask, cfg.sliding_window)
         x = self.model.embed_tokens(tokens)
+        if cfg.gemma_norms:  # Gemma: embeddings times sqrt(hidden_size), rounded to the weights' dtype
+            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
         stack = native_stack.stack_for(self, x, cache) if tokens.shape[1] <= EXACT_ATTENTION_TOKENS else None
         caps = self.capture_layers
         if stack is not None:  # decode / verification on CPU: every layer in one native call, same bits
-            x, kept = native_stack.run(self, stack, x.contiguous(), cos, sin, slots, kv_len, mask, cache, caps)
+            # (plain_layers: every layer has the window or none does)
+            x, kept = native_stack.run(self, stack, x.contiguous(), cos, sin, slots, kv_len, window_mask, cache, caps)
         else:
             kept = []
             for i, layer in enumerate(self.model.layers):
                 if i in caps:
                     kept.append(x)
-                x = layer(x, cos, sin, cache, slots, kv_len, mask)
+                x = layer(x, cos, sin, cache, slots, kv_len, window_mask if layer.sliding else mask)
             if len(self.model.layers) in caps:
                 kept.append(x)
         self.captured = torch.cat(kept, dim=-1) if caps else None
@@ -339,5 +407,9 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D] -> fp32 logits [..., V]."""
-        return self.lm_head(hidden).float()
+        """hidden [..., D] -> fp32 logits [..., V] (soft-capped in the model's dtype where the model caps them)."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
