@@ -4,15 +4,13 @@ refused naming both vocabularies."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import _save_tokenizer
-from safetensors.torch import load_file, save_file
-from tiny_helpers import GREEDY, tiny_prompts
+from tiny_helpers import GREEDY, copy_with_vocab_rows, tiny_prompts
 
 from specdecode import LLM
 from specdecode.engine.validation import IncompatibleDraftError
@@ -21,18 +19,7 @@ from specdecode.proposers.draft_model import DraftModelProposer
 
 def padded_copy(src: Path, dst: Path, extra: int) -> Path:
     """src with `extra` padding rows whose output logits would win every argmax if they were ever proposed."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["vocab_size"] += extra
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in dst.glob("*.safetensors"):
-        tensors = load_file(str(f))
-        emb = tensors["model.embed_tokens.weight"]
-        tensors["model.embed_tokens.weight"] = torch.cat([emb, torch.zeros(extra, emb.shape[1])])
-        head = tensors["lm_head.weight"]
-        tensors["lm_head.weight"] = torch.cat([head, 50.0 * torch.ones(extra, head.shape[1])])
-        save_file(tensors, str(f), metadata={"format": "pt"})
-    return dst
+    return copy_with_vocab_rows(src, dst, extra, head_fill=50.0)
 
 
 def draft(model: Path, k: int = 4, **kw: object) -> dict[str, object]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from tiny_helpers import copy_with_vocab_rows
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine import llm as llm_module
@@ -89,24 +89,6 @@ def copy_with_swapped_tokens(src: Path, dst: Path, a: int, b: int) -> Path:
     return dst
 
 
-def copy_with_padded_vocab(src: Path, dst: Path, extra: int) -> Path:
-    """Same tokenizer, embeddings padded by `extra` rows (as checkpoints pad to a multiple of 64/128); a
-    negative `extra` cuts rows instead."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["vocab_size"] += extra
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in dst.glob("*.safetensors"):
-        tensors = load_file(str(f))
-        for name in ("model.embed_tokens.weight", "lm_head.weight"):
-            if name in tensors:
-                w = tensors[name]
-                pad = torch.zeros(max(extra, 0), w.shape[1], dtype=w.dtype)
-                tensors[name] = torch.cat([w[: w.shape[0] + min(extra, 0)], pad])
-        save_file(tensors, str(f), metadata={"format": "pt"})
-    return dst
-
-
 def test_draft_with_a_different_tokenizer_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
     bad = copy_with_swapped_tokens(tiny_llama_dir, tmp_path / "swapped", 40, 41)
     with pytest.raises(IncompatibleDraftError) as info:
@@ -121,7 +103,7 @@ def test_draft_with_a_different_tokenizer_is_refused(tiny_llama_dir: Path, tmp_p
 
 def test_draft_with_fewer_rows_than_token_ids_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """Padding differences are accepted (tests/test_draft_vocab.py); a draft missing real ids is not."""
-    cut = copy_with_padded_vocab(tiny_llama_dir, tmp_path / "cut", -20)
+    cut = copy_with_vocab_rows(tiny_llama_dir, tmp_path / "cut", -20)
     with pytest.raises(IncompatibleDraftError) as info:
         fp32(tiny_llama_dir, draft_cfg(cut))
     msg = str(info.value)

@@ -3,6 +3,13 @@ on the tiny random models (the plain reference itself is the `plain_tiny` fixtur
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
 from specdecode import LLM, SamplingParams
 from specdecode.engine.sequence import Sequence
 
@@ -22,3 +29,22 @@ def run_batched(llm: LLM, prompts: list[list[int]], params: SamplingParams, max_
     while engine.has_work():
         engine.step()
     return seqs
+
+
+def copy_with_vocab_rows(src: Path, dst: Path, extra: int, head_fill: float = 0.0) -> Path:
+    """Same tokenizer, embedding and output rows padded by `extra` (as checkpoints pad to a multiple of 64/128;
+    new output rows filled with `head_fill`, so a large value makes a padding row win every argmax if it were
+    ever proposed); a negative `extra` cuts rows instead."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["vocab_size"] += extra
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for name, fill in (("model.embed_tokens.weight", 0.0), ("lm_head.weight", head_fill)):
+            if name in tensors:
+                w = tensors[name]
+                pad = torch.full((max(extra, 0), w.shape[1]), fill, dtype=w.dtype)
+                tensors[name] = torch.cat([w[: w.shape[0] + min(extra, 0)], pad])
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst
