@@ -115,3 +115,12 @@ def plain_tiny(tiny_llama_dir: Path):  # noqa: ANN201 - (LLM, plain greedy outpu
 
     llm = LLM(str(tiny_llama_dir), dtype="fp32")
     return llm, [o.token_ids for o in llm.generate(tiny_prompts(llm), GREEDY)]
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty SPECDECODE_HOME (models_home() reads the variable at call time)."""
+    h = tmp_path / "home"
+    (h / "models").mkdir(parents=True)
+    monkeypatch.setenv("SPECDECODE_HOME", str(h))
+    return h

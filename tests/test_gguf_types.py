@@ -19,14 +19,6 @@ from specdecode.model.load import load_model
 HIDDEN = 256  # one K-quant block per row
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    h = tmp_path / "home"
-    (h / "models").mkdir(parents=True)
-    monkeypatch.setenv("SPECDECODE_HOME", str(h))
-    return h
-
-
 def _one_tensor_gguf(path: Path, qtype: str, rows: int = 8, seed: int = 0) -> np.ndarray:
     """A GGUF holding blk.0.ffn_up.weight [rows, 256] in qtype (plus what a config needs); gguf's reference."""
     rng = np.random.default_rng(seed)

@@ -24,15 +24,6 @@ QWEN_TARGET = "qwen2.5-coder-1.5b-instruct"
 
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty SPECDECODE_HOME (models_home() reads the variable at call time)."""
-    h = tmp_path / "home"
-    (h / "models").mkdir(parents=True)
-    monkeypatch.setenv("SPECDECODE_HOME", str(h))
-    return h
-
-
 def _no_weight_reading(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every path that touches tensor data or the full GGUF reader fail loudly."""
 
