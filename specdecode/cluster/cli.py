@@ -74,13 +74,12 @@ class ClusterServer:
         self.num_cpus, self.object_store_mb = num_cpus, object_store_mb
         self.owns_ray = False
 
-    def start(self) -> ClusterServer:
+    def start_ray(self) -> None:
         try:
             import ray
-            from ray import serve
+            from ray import serve  # noqa: F401
         except ImportError as exc:
             raise ValueError(f"--replicas needs Ray Serve: pip install 'specdecode[cluster]' ({exc})") from None
-        from specdecode.cluster.deployment import build_application
 
         if self.ray_address is not None:
             ray.init(address=self.ray_address, log_to_driver=False)
@@ -92,8 +91,18 @@ class ClusterServer:
             ray.init(address="local", num_cpus=num_cpus, object_store_memory=self.object_store_mb << 20,
                      include_dashboard=False, log_to_driver=False, configure_logging=False)
             self.owns_ray = True
+
+    def deploy(self) -> None:
+        from ray import serve
+
+        from specdecode.cluster.deployment import build_application
+
         serve.start(http_options={"host": self.host, "port": self.port}, proxy_location="HeadOnly")
         serve.run(build_application(self.cfg), name=self.cfg.app_name, route_prefix="/", blocking=False)
+
+    def start(self) -> ClusterServer:
+        self.start_ray()
+        self.deploy()
         return self
 
     def stop(self) -> None:
@@ -118,14 +127,24 @@ def run_cluster(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
+    serving = False
 
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
+        if not serving:  # still starting: leave serve.run() at once
+            raise KeyboardInterrupt
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    def install() -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, on_signal)
+
+    install()
     server = ClusterServer(cfg, args.host, args.port, args.ray_address, args.ray_num_cpus, args.ray_object_store_mb)
     try:
-        server.start()
+        server.start_ray()
+        install()  # ray.init() installs its own SIGTERM handler, which would end this process without cleanup
+        server.deploy()
+        serving = True
         if not stop.is_set():
             where = f"http://{args.host}:{args.port}"
             print(f"specdecode: serving {cfg.model} on {cfg.replicas} replica(s) at {where} "
@@ -133,12 +152,15 @@ def run_cluster(args: argparse.Namespace) -> int:
             print(json.dumps({"event": "ready", "url": where}), flush=True)
         while not stop.wait(0.5):
             pass
+    except KeyboardInterrupt:
+        pass
     finally:
-        for s in previous:
+        serving = True
+        for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)  # a second signal must not interrupt the shutdown
         server.stop()
-        for s, h in previous.items():
-            signal.signal(s, h)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
     print("specdecode: cluster stopped", file=sys.stderr, flush=True)
     return 0
 
