@@ -142,3 +142,34 @@ def test_serve_cli_takes_the_cluster_flags_and_the_core_import_needs_no_ray() ->
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120,
                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_serve_app_builder_converts_string_args() -> None:
+    from specdecode.cluster.serve_app import config_from_dict
+
+    cfg = config_from_dict({"model": "m", "replicas": "2", "replica_gpus": "0.5", "max_model_len": "none",
+                            "speculative_config": '{"method": "ngram"}', "min_replicas": 1, "max_replicas": "3"})
+    assert (cfg.replicas, cfg.replica_gpus, cfg.max_model_len, cfg.max_replicas) == (2, 0.5, None, 3)
+    assert cfg.speculative_config == {"method": "ngram"}
+    with pytest.raises(ValueError, match="unknown cluster options"):
+        config_from_dict({"model": "m", "replica": 2})
+
+
+def test_application_carries_the_replica_resources_router_and_autoscaling() -> None:
+    pytest.importorskip("ray.serve")
+    from specdecode.cluster.deployment import ENGINE_DEPLOYMENT, ROUTER_PATH, build_application
+
+    cfg = ClusterConfig(model="m", replicas=2, min_replicas=1, max_replicas=4, replica_threads=2, replica_gpus=0.5,
+                        max_num_seqs=4, max_waiting=12, route_saturation=3)
+    app = build_application(cfg)
+    engine = app._bound_deployment.init_args[0]._bound_deployment  # the ingress is bound to the engine
+    assert engine.name == ENGINE_DEPLOYMENT
+    assert engine.ray_actor_options["num_cpus"] == 2 and engine.ray_actor_options["num_gpus"] == 0.5
+    dc = engine._deployment_config
+    assert dc.max_ongoing_requests == 16
+    auto = dc.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas, auto.target_ongoing_requests) == (1, 4, 2, 4)
+    assert dc.request_router_config.request_router_class == ROUTER_PATH
+    assert dc.request_router_config.request_router_kwargs == {"saturation": 3}
+    fixed = build_application(ClusterConfig(model="m", replicas=3))._bound_deployment.init_args[0]._bound_deployment
+    assert fixed.num_replicas == 3 and fixed._deployment_config.autoscaling_config is None
