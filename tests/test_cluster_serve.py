@@ -44,10 +44,10 @@ pytestmark = [pytest.mark.real]
 ROOT = Path(__file__).resolve().parents[1]
 SMOL = "smollm2-135m-instruct"
 KEY = "sk-cluster-test"
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 SYSTEM = "You are a concise assistant."
 OPENERS = [f"Tell me one fact about the number {n}." for n in range(40)]
-FOLLOW_UPS = ["Tell me more.", "Give an example.", "Summarize that in one line."]
+FOLLOW_UP = "Give an example."
 START_TIMEOUT_S = 300
 
 
@@ -129,16 +129,17 @@ def ref_llm(cluster: Cluster) -> Any:  # loads while the cluster starts
     return LLM(SMOL, dtype="fp32", device="cpu", max_model_len=512)
 
 
-def _conversation(opener: str, j: int) -> list[dict[str, str]]:
+def _conversation(opener: str, turn: int) -> list[dict[str, str]]:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": opener}]
-    if j:
-        messages += [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": FOLLOW_UPS[j - 1]}]
+    if turn:
+        messages += [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": FOLLOW_UP}]
     return messages
 
 
 @pytest.fixture(scope="module")
 def workload(cluster: Cluster, ref_llm: Any) -> dict[str, Any]:
-    """16 requests: 2 conversations per replica (by the router's own hash), 4 requests each, with references."""
+    """16 requests: 2 conversations per replica (by the router's own hash), 4 requests each (its first and
+    second turn, each streamed and not), with their references."""
     from specdecode import SamplingParams
 
     cluster.wait_ready()
@@ -154,12 +155,13 @@ def workload(cluster: Cluster, ref_llm: Any) -> dict[str, Any]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     reqs = []
     for home, openers in chosen.items():
-        for c, opener in enumerate(openers):
-            for j in range(4):
-                messages = _conversation(opener, j)
+        for opener in openers:
+            for turn in range(2):
+                messages = _conversation(opener, turn)
                 want = ref_llm.chat(messages, params)[0]
-                reqs.append({"conv": opener, "home": home, "messages": messages, "stream": (j + c) % 2 == 0,
-                             "want": want})
+                for stream in (True, False):
+                    reqs.append({"conv": opener, "home": home, "messages": messages, "stream": stream,
+                                 "want": want})
     return {"ids": ids, "reqs": reqs}
 
 
@@ -243,6 +245,33 @@ def test_sixteen_concurrent_requests_equal_references_and_stay_with_their_replic
         assert _per_replica(m, "specdecode_requests_running", rid) == 0
     assert not any("fallback" in k for k in m)
     assert m["specdecode_cluster_replicas"] == 2
+
+
+def test_client_disconnect_aborts_the_request_on_its_replica(cluster: Cluster) -> None:
+    aborted = "specdecode_requests_finished_total"
+    before = cluster.metrics()
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=cluster.base_url, headers=cluster.headers, timeout=120) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            replica = r.headers["x-specdecode-replica"]
+            got = [line for line, _ in zip(r.iter_lines(), range(6), strict=False) if line.startswith("data: ")]
+            assert len(got) >= 2
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 60
+    while True:
+        m = cluster.metrics()
+        running = _per_replica(m, "specdecode_requests_running", replica)
+        done = m.get(f'{aborted}{{finish_reason="abort",replica="{replica}"}}', 0) - before.get(
+            f'{aborted}{{finish_reason="abort",replica="{replica}"}}', 0)
+        if running == 0 and done == 1:
+            break
+        assert time.monotonic() < deadline, f"not aborted: running {running}, aborts {done}"
+        time.sleep(0.5)
+    made = _per_replica(m, "specdecode_generation_tokens_total", replica) - _per_replica(
+        before, "specdecode_generation_tokens_total", replica)
+    assert made < 400
 
 
 def test_killed_replica_is_replaced_and_no_request_hangs(cluster: Cluster, workload: dict[str, Any]) -> None:

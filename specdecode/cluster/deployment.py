@@ -257,7 +257,7 @@ class Ingress:
                     if opened.done or (chunk and carries_output(chunk)):
                         return opened
             raise ReplicaLost(opened.replica, "its response ended without a body")
-        except ReplicaLost:
+        except (ReplicaLost, asyncio.CancelledError):  # lost, or the client went away: drop the call
             gen.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - the replica died, was unreachable, or its call failed
