@@ -123,10 +123,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def ref_llm(cluster: Cluster) -> Any:  # loads while the cluster starts
+def ref_llm(cluster: Cluster) -> Iterator[Any]:  # loads while the cluster starts
+    import torch
+
     from specdecode import LLM
 
-    return LLM(SMOL, dtype="fp32", device="cpu", max_model_len=512)
+    # One thread, as each replica has (module fixtures run before conftest's per-test one-thread fixture;
+    # on a shared 2-core machine a second OpenMP thread makes the references several times slower).
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(SMOL, dtype="fp32", device="cpu", max_model_len=512)
+    finally:
+        torch.set_num_threads(prev)
 
 
 def _conversation(opener: str, turn: int) -> list[dict[str, str]]:
