@@ -173,3 +173,19 @@ def test_application_carries_the_replica_resources_router_and_autoscaling() -> N
     assert dc.request_router_config.request_router_kwargs == {"saturation": 3}
     fixed = build_application(ClusterConfig(model="m", replicas=3))._bound_deployment.init_args[0]._bound_deployment
     assert fixed.num_replicas == 3 and fixed._deployment_config.autoscaling_config is None
+
+
+def test_specdecode_serve_with_replicas_runs_the_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    import specdecode.cluster.cli as cluster_cli
+    from specdecode.cli import main
+
+    seen = {}
+
+    def fake_run_cluster(args: object) -> int:
+        seen["cfg"] = cluster_cli.config_from_args(args)  # type: ignore[arg-type]
+        return 0
+
+    monkeypatch.setattr(cluster_cli, "run_cluster", fake_run_cluster)
+    assert main(["serve", "--model", "m", "--replicas", "2", "--ray-address", "auto"]) == 0
+    assert seen["cfg"].replicas == 2
+    assert main(["serve", "--model", "m", "--replicas", "0"]) == 2  # a ValueError: a message, not a traceback
