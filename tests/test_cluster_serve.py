@@ -321,7 +321,8 @@ def test_killed_replica_is_replaced_and_no_request_hangs(cluster: Cluster, workl
     after = cluster.metrics()
     retried = after["specdecode_cluster_retries_total"] - before["specdecode_cluster_retries_total"]
     failed = after["specdecode_cluster_stream_failures_total"] - before["specdecode_cluster_stream_failures_total"]
-    assert failed == errors and retried >= 0
+    # The victim's unstreamed requests (its non-streamed ones at least) were retried on the survivor.
+    assert failed == errors and retried >= 1
     # Ray Serve replaces the dead replica: 2 healthy replicas again, the victim gone.
     deadline = time.monotonic() + 240
     while True:
