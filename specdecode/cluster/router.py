@@ -35,16 +35,23 @@ class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, saturation: int = 8, **kwargs: Any) -> None:
         self.saturation = saturation
         self._primary: dict[str, str] = {}
+        # Requests in flight that this router sent, per replica (exact, unlike Ray Serve's queue-length cache,
+        # which replicas' replies may set back to an older count); keyed by (replica, request id).
+        self._inflight: dict[str, int] = {}
+        self._sent: dict[tuple[str, str], int] = {}
+
+    def _load(self, replica: RunningReplica) -> int | None:
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        own = self._inflight.get(replica.replica_id.unique_id, 0)
+        if cached is None and not own:
+            return None
+        return max(own, cached or 0)
 
     def _record(self) -> None:
         registry.record_replicas(self._deployment_id.name, {r.unique_id for r in self._replica_id_set})
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self._record()
-
-    def on_replica_actor_died(self, replica_id: Any) -> None:
-        super().on_replica_actor_died(replica_id)
         self._record()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -56,9 +63,8 @@ class PrefixAffinityRouter(RequestRouter):
         if target is not None:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         key = kwargs.get("route_key")
-        cache = self.replica_queue_len_cache
-        ranks = rank_replicas(key, candidate_replicas, lambda r: r.replica_id.unique_id,
-                              lambda r: cache.get(r.replica_id), self.saturation, kwargs.get("avoid"))
+        ranks = rank_replicas(key, candidate_replicas, lambda r: r.replica_id.unique_id, self._load, self.saturation,
+                              kwargs.get("avoid"))
         if key is not None and pending_request is not None:
             if len(self._primary) > 10_000:  # requests cancelled before routing leave entries behind
                 self._primary.clear()
@@ -68,6 +74,10 @@ class PrefixAffinityRouter(RequestRouter):
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        rid = replica_id.unique_id
+        sent = (rid, pending_request.metadata.internal_request_id)
+        self._sent[sent] = self._sent.get(sent, 0) + 1
+        self._inflight[rid] = self._inflight.get(rid, 0) + 1
         kwargs = pending_request.kwargs or {}
         if kwargs.get("target") is not None:
             return
@@ -77,3 +87,25 @@ class PrefixAffinityRouter(RequestRouter):
         else:
             route = "affinity" if primary == replica_id.unique_id and not kwargs.get("avoid") else "fallback"
         registry.count_routed(replica_id.unique_id, route)
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        rid = replica_id.unique_id
+        sent = (rid, internal_request_id)
+        left = self._sent.get(sent, 0)
+        if not left:
+            return  # never counted (rejected by the replica, or sent before this router counted)
+        if left == 1:
+            del self._sent[sent]
+        else:
+            self._sent[sent] = left - 1
+        self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+        self._record()
+
+    def _forget(self, rid: str) -> None:
+        self._inflight.pop(rid, None)
+        for sent in [k for k in self._sent if k[0] == rid]:
+            del self._sent[sent]
