@@ -38,6 +38,10 @@ def _echo_app() -> Any:
             await asyncio.sleep(delay)
             return self.rid
 
+        async def stream(self, n: int, **routing: Any) -> Any:
+            for _ in range(n):
+                yield self.rid
+
     return Echo.bind()
 
 
@@ -90,5 +94,9 @@ def test_keys_stick_to_their_replica_and_fall_back_when_it_is_saturated(echo: An
     assert echo.who.remote(route_key=key).result(timeout_s=30) == home  # and returns once it is free
 
     assert echo.who.remote(route_key=key, avoid=home).result(timeout_s=30) == other
+    # Finished streams are counted out too: a key's streams keep going to its replica.
+    for _ in range(4):
+        assert list(echo.options(stream=True).stream.remote(3, route_key=key)) == [home] * 3
+        time.sleep(0.2)
     for rid in ids:
         assert echo.who.remote(target=rid).result(timeout_s=30) == rid

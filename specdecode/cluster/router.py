@@ -35,17 +35,18 @@ class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, saturation: int = 8, **kwargs: Any) -> None:
         self.saturation = saturation
         self._primary: dict[str, str] = {}
-        # Requests in flight that this router sent, per replica (exact, unlike Ray Serve's queue-length cache,
-        # which replicas' replies may set back to an older count); keyed by (replica, request id).
+        # Requests in flight that this router sent, per replica; keyed by (replica, request id) to count each
+        # completion once.
         self._inflight: dict[str, int] = {}
         self._sent: dict[tuple[str, str], int] = {}
 
-    def _load(self, replica: RunningReplica) -> int | None:
-        cached = self.replica_queue_len_cache.get(replica.replica_id)
-        own = self._inflight.get(replica.replica_id.unique_id, 0)
-        if cached is None and not own:
-            return None
-        return max(own, cached or 0)
+    def _load(self, replica: RunningReplica) -> int:
+        """Requests this router has in flight on `replica`. Not Ray Serve's queue-length cache: replicas'
+        replies may land after the completion that they predate and leave it a request or two high for
+        seconds, which would send an idle conversation's request away from its replica. (With several
+        ingress replicas each counts its own requests; Ray Serve's own max_ongoing_requests check still
+        guards the hard limit.)"""
+        return self._inflight.get(replica.replica_id.unique_id, 0)
 
     def _record(self) -> None:
         registry.record_replicas(self._deployment_id.name, {r.unique_id for r in self._replica_id_set})
