@@ -73,30 +73,48 @@ def _ids(handle: Any) -> list[str]:
     return sorted(live_replicas(DEPLOYMENT))
 
 
+def _settled(timeout: float = 10.0) -> None:
+    """Wait until the router has counted out every finished call (its completion callbacks may lag the
+    results a little), so that the next call sees the replicas idle."""
+    from specdecode.cluster.registry import inflight
+
+    deadline = time.monotonic() + timeout
+    while any(inflight().values()):
+        assert time.monotonic() < deadline, inflight()
+        time.sleep(0.01)
+
+
+def _who(echo: Any, **kw: Any) -> str:
+    _settled()
+    return echo.who.remote(**kw).result(timeout_s=30)
+
+
 def test_keys_stick_to_their_replica_and_fall_back_when_it_is_saturated(echo: Any) -> None:
     ids = _ids(echo)
     keys = [routing_key({"messages": [{"role": "user", "content": f"conversation {i}"}]}) for i in range(8)]
     for key in keys:
         home = rendezvous_order(key, ids, str)[0]
-        assert [echo.who.remote(route_key=key).result(timeout_s=30) for _ in range(3)] == [home] * 3
+        assert [_who(echo, route_key=key) for _ in range(3)] == [home] * 3
     assert {rendezvous_order(k, ids, str)[0] for k in keys} == set(ids)  # both replicas got keys
 
     key = keys[0]
     home = rendezvous_order(key, ids, str)[0]
     other = next(r for r in ids if r != home)
-    # Saturation 2 (not 1): a finished call leaves the router's count of its replica for a moment, so
-    # sequential calls may see one request too many, never two.
+    _settled()
     busy = [echo.who.remote(delay=4.0, route_key=key) for _ in range(2)]  # hold its replica at saturation ...
-    time.sleep(1.0)
+    from specdecode.cluster.registry import inflight
+
+    deadline = time.monotonic() + 3
+    while inflight().get(home, 0) < 2:
+        assert time.monotonic() < deadline, inflight()
+        time.sleep(0.01)
     assert echo.who.remote(route_key=key).result(timeout_s=30) == other  # ... so the key falls back
     assert [b.result(timeout_s=30) for b in busy] == [home, home]
-    time.sleep(0.5)  # the router counts the finished calls out
-    assert echo.who.remote(route_key=key).result(timeout_s=30) == home  # and returns once it is free
-
-    assert echo.who.remote(route_key=key, avoid=home).result(timeout_s=30) == other
+    assert _who(echo, route_key=key) == home  # and returns once it is free
+    assert _who(echo, route_key=key, avoid=home) == other
     # Finished streams are counted out too: a key's streams keep going to its replica.
     for _ in range(4):
+        _settled()
         assert list(echo.options(stream=True).stream.remote(3, route_key=key)) == [home] * 3
-        time.sleep(0.2)
     for rid in ids:
-        assert echo.who.remote(target=rid).result(timeout_s=30) == rid
+        assert _who(echo, target=rid) == rid

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 ROUTER_REGISTRY = CollectorRegistry(auto_describe=True)
 ROUTED = Counter("specdecode_cluster_routed", "Requests routed by the ingress, by replica and by route (affinity: "
                  "the key's replica; fallback: another one, the key's replica being saturated or avoided; "
                  "any: no key).", ["replica", "route"], registry=ROUTER_REGISTRY)
+INFLIGHT = Gauge("specdecode_cluster_inflight", "Requests the ingress's router has in flight on each replica (what "
+                 "it compares with the routing saturation).", ["replica"], registry=ROUTER_REGISTRY)
 
 _lock = threading.Lock()
+_inflight: dict[str, int] = {}
 _live: dict[str, set[str]] = {}
 
 
@@ -32,3 +35,22 @@ def live_replicas(deployment: str) -> set[str]:
 
 def count_routed(replica: str, route: str) -> None:
     ROUTED.labels(replica=replica, route=route).inc()
+
+
+def set_inflight(replica: str, count: int | None) -> None:
+    """Publish the router's in-flight count of a replica (None: the replica is gone)."""
+    with _lock:
+        if count is None:
+            _inflight.pop(replica, None)
+            try:
+                INFLIGHT.remove(replica)
+            except KeyError:
+                pass
+        else:
+            _inflight[replica] = count
+            INFLIGHT.labels(replica=replica).set(count)
+
+
+def inflight() -> dict[str, int]:
+    with _lock:
+        return dict(_inflight)

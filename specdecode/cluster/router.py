@@ -79,6 +79,7 @@ class PrefixAffinityRouter(RequestRouter):
         sent = (rid, pending_request.metadata.internal_request_id)
         self._sent[sent] = self._sent.get(sent, 0) + 1
         self._inflight[rid] = self._inflight.get(rid, 0) + 1
+        registry.set_inflight(rid, self._inflight[rid])
         kwargs = pending_request.kwargs or {}
         if kwargs.get("target") is not None:
             return
@@ -100,6 +101,7 @@ class PrefixAffinityRouter(RequestRouter):
         else:
             self._sent[sent] = left - 1
         self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)
+        registry.set_inflight(rid, self._inflight[rid])
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
@@ -108,5 +110,6 @@ class PrefixAffinityRouter(RequestRouter):
 
     def _forget(self, rid: str) -> None:
         self._inflight.pop(rid, None)
+        registry.set_inflight(rid, None)
         for sent in [k for k in self._sent if k[0] == rid]:
             del self._sent[sent]
