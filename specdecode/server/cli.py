@@ -41,6 +41,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="larger request bodies get a 413 (default: %(default)s)")
     s.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    from specdecode.cluster.cli import add_cluster_args
+
+    add_cluster_args(s)
     s.set_defaults(func=run_serve_command)
 
 
@@ -60,6 +63,10 @@ def run_serve_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    from specdecode.cluster.cli import run_cluster, wants_cluster
+
+    if wants_cluster(args):  # --replicas, --ray-address, --min/max-replicas: Ray Serve
+        return run_cluster(args)
     try:
         import uvicorn
 

@@ -1,0 +1,5 @@
+import sys
+
+from specdecode.cluster.cli import main
+
+sys.exit(main())
