@@ -70,6 +70,12 @@ def test_matmul_against_dequantized(qtype: int, rows: int) -> None:
     assert torch.equal(lin(x), single)
 
 
+@pytest.mark.parametrize("qtype", gguf_linear.KERNEL_TYPES, ids=lambda t: Q(t).name)
+def test_native_repack_matches_numpy(qtype: int) -> None:
+    raw = random_blocks(qtype, 32, 512, seed=7)
+    assert torch.equal(gguf_linear.repack(qtype, raw, 512), gguf_linear.repack(qtype, raw, 512, native=False))
+
+
 def test_fused_parts_of_mixed_types() -> None:
     """q/k/v-style concatenation of differently quantized parts, bf16 in and out."""
     k = 256

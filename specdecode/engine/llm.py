@@ -57,8 +57,9 @@ class LLM:
         max_model_len: context to allocate KV cache for (default min(model's, 8192)).
         seed: default seed of requests that give none.
         quantization: target weight format: "none" (exact, default), "int8" (weight-only), "int8-dynamic"
-            (int8 weights x per-token int8 activations, CPU/FBGEMM) or "int4" (opt-in: changes the model;
-            speculative decoding stays lossless relative to the quantized target).
+            (int8 weights x per-token int8 activations, CPU/FBGEMM), "int4" (opt-in: changes the model;
+            speculative decoding stays lossless relative to the quantized target), or "gguf" (a .gguf target's
+            own quantized blocks, not dequantized: llama.cpp's model in about the file's memory; CPU).
     """
 
     def __init__(
@@ -83,14 +84,16 @@ class LLM:
         draft_path = draft_cfg = None
         spec = self.spec
         draft_dtype = self.dtype if spec is None or spec.draft_dtype == "auto" else parse_dtype(spec.draft_dtype)
-        parts = [("target", estimate_bytes(target_cfg, self.dtype, self.max_model_len, device=self.device))]
+        parts = [("target", estimate_bytes(target_cfg, self.dtype, self.max_model_len, device=self.device,
+                                           gguf_file=target_path if quantization == "gguf" else None))]
         if spec is not None and spec.method == "draft":
             draft_path = resolve_model(str(spec.model))
             draft_cfg = read_config(draft_path)
-            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len, device=self.device)))
+            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len, device=self.device,
+                                                  gguf_file=draft_path if spec.quantization == "gguf" else None)))
         check_memory(parts, self.device)  # before any weight is loaded
 
-        self.target: LoadedModel = load_resolved(target_path, model, self.dtype, self.device)
+        self.target: LoadedModel = load_resolved(target_path, model, self.dtype, self.device, quantization)
         self.tokenizer = self.target.tokenizer
         self.head: DraftHead | None = None
         if spec is not None and spec.method in ("eagle", "medusa"):
@@ -119,7 +122,8 @@ class LLM:
                     f"draft {spec.model!r} has {draft_cfg.vocab_size} output rows but target {model!r} has "
                     f"{target_cfg.vocab_size}; the draft's vocabulary size must equal the target's"
                 )
-            self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device)
+            self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device,
+                                       "gguf" if spec.quantization == "gguf" else "none")
             convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
             draft_model = self.draft.model
             width, branching = spec.tree_width, spec.tree_branching

@@ -29,8 +29,9 @@ from specdecode.model import native_kernels
 
 LinearFormat = Literal["none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid"]
 FORMATS: tuple[str, ...] = ("none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid")
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4")
-"""What a user may pick for a target (`LLM(quantization=...)`, `--quantization`) or a draft."""
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4", "gguf")
+"""What a user may pick for a target (`LLM(quantization=...)`, `--quantization`) or a draft. "gguf": a GGUF's own
+blocks, kept at load (`gguf_model`); its linears need no conversion."""
 
 
 def _native(native: bool | None) -> bool:
@@ -438,6 +439,8 @@ def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.de
     if device.type != "cpu":
         if quantization != "none":
             raise ValueError(f"quantization {quantization!r} is implemented for CPU only")
+        return "none"
+    if quantization == "gguf":
         return "none"
     if quantization != "none":
         return quantization  # type: ignore[return-value]

@@ -65,6 +65,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.gguf_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
     lib.gguf_gemm.restype = None
+    lib.gguf_repack.argtypes = [_L, _P, _L, _L, _P, _I]
+    lib.gguf_repack.restype = None
     return lib
 
 
@@ -117,14 +119,21 @@ def _split(qtype: int, blocks: np.ndarray) -> tuple[list[np.ndarray], np.ndarray
     raise ValueError(f"no GGUF kernel for {Q(qtype).name}")
 
 
-def repack(qtype: int, raw: np.ndarray, k: int) -> torch.Tensor:
+def repack(qtype: int, raw: np.ndarray, k: int, native: bool = True) -> torch.Tensor:
     """The file's blocks of an [N, K] tensor (uint8 [N, row bytes]) in the kernel's tiles: uint8
-    [N / 16, K / block, 16 * block bytes], the same number of bytes."""
+    [N / 16, K / block, 16 * block bytes], the same number of bytes. `native`: `gguf_repack` (C, one pass)
+    where it builds, else (and as its reference in the tests) numpy."""
     n = raw.shape[0]
     bk, ts = GGML_QUANT_SIZES[Q(qtype)]
     if n % TILE or k % bk:
         raise ValueError(f"{Q(qtype).name} [{n}, {k}]: rows must be a multiple of {TILE}, columns of {bk}")
     nb, t, subs = k // bk, n // TILE, bk // 32
+    lib = _library() if native else None
+    if lib is not None:
+        src = np.ascontiguousarray(raw)
+        dst = native_kernels._huge_page_bytes(src.size)
+        lib.gguf_repack(int(qtype), src.ctypes.data, n, k, dst.data_ptr(), torch.get_num_threads())
+        return dst.view(t, nb, TILE * ts)
     fields, codes, hi = _split(qtype, np.asarray(raw).reshape(n, nb, ts))
     out = [np.ascontiguousarray(f.reshape(t, TILE, nb, -1).transpose(0, 2, 1, 3)).reshape(t, nb, -1) for f in fields]
     c = codes.reshape(t, TILE, nb, subs, 32).transpose(0, 2, 3, 1, 4)  # [T, B, S, 16, 32]
@@ -168,6 +177,7 @@ class GGUFLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16).clone()
         if self.native:
             self.packed = [repack(t, raw, in_features) for t, raw in parts]
+            self.packed_nbytes = sum(p.numel() for p in self.packed)  # bench.bandwidth's count of opaque weights
             self.desc = LinearDesc(len(parts))
             for i, ((t, raw), p) in enumerate(zip(parts, self.packed, strict=True)):
                 self.desc.parts[i] = Part(int(t), raw.shape[0], p.data_ptr())
@@ -182,7 +192,7 @@ class GGUFLinear(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of the weights as held: the file's block bytes on the kernel."""
         if self.native:
-            return sum(p.numel() for p in self.packed)
+            return self.packed_nbytes
         return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

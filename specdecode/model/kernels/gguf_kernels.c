@@ -319,3 +319,91 @@ TARGET void gguf_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const v
     free(d);
     free(q);
 }
+
+// ---- the file's blocks -> the tiles above (`gguf_linear.repack` is the same in numpy) ----------------------
+
+// Integer codes (unsigned, as the kernel multiplies them) of one block.
+static void block_codes(int64_t type, const uint8_t* s, uint8_t* codes) {
+    switch (type) {
+        case Q8_0:
+            for (int i = 0; i < 32; i++) codes[i] = s[2 + i] ^ 0x80;
+            return;
+        case Q4_0:
+        case Q4_1: {
+            const uint8_t* qs = s + (type == Q4_0 ? 2 : 4);
+            for (int i = 0; i < 16; i++) codes[i] = qs[i] & 15, codes[16 + i] = qs[i] >> 4;
+            return;
+        }
+        case Q5_0: {
+            const uint32_t qh = (uint32_t)s[2] | (uint32_t)s[3] << 8 | (uint32_t)s[4] << 16 | (uint32_t)s[5] << 24;
+            for (int i = 0; i < 32; i++) codes[i] = (uint8_t)(((s[6 + i % 16] >> (4 * (i / 16))) & 15) | ((qh >> i) & 1) << 4);
+            return;
+        }
+        case Q4_K:
+        case Q5_K: {
+            const uint8_t* qs = s + (type == Q4_K ? 16 : 48);
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 32; l++) codes[64 * c + l] = qs[32 * c + l] & 15, codes[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+            if (type == Q5_K)
+                for (int sb = 0; sb < 8; sb++)
+                    for (int l = 0; l < 32; l++) codes[32 * sb + l] |= (uint8_t)(((s[16 + l] >> sb) & 1) << 4);
+            return;
+        }
+        default: {  // Q6_K
+            for (int h = 0; h < 2; h++)
+                for (int sh = 0; sh < 2; sh++)
+                    for (int l = 0; l < 64; l++) codes[128 * h + 64 * sh + l] = (s[64 * h + l] >> (4 * sh)) & 15;
+            for (int h = 0; h < 2; h++)
+                for (int sh = 0; sh < 4; sh++)
+                    for (int l = 0; l < 32; l++)
+                        codes[128 * h + 32 * sh + l] |= (uint8_t)(((s[128 + 32 * h + l] >> (2 * sh)) & 3) << 4);
+        }
+    }
+}
+
+// src: [N, K / block_k blocks of the type's bytes] (the file's rows); dst: [N / 16][K / block_k][tile-block].
+void gguf_repack(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int threads) {
+    static const int F_OFF[][17] = {[Q4_0] = {0}, [Q4_1] = {0, 2}, [Q5_0] = {0}, [Q8_0] = {0},
+                                    [Q4_K] = {0, 2, 4, 8, 12}, [Q5_K] = {0, 2, 4, 8, 12},
+                                    [Q6_K] = {208, 192, 193, 194, 195, 196, 197, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207}};
+    static const int F_LEN[][17] = {[Q4_0] = {2}, [Q4_1] = {2, 2}, [Q5_0] = {2}, [Q8_0] = {2},
+                                    [Q4_K] = {2, 2, 4, 4, 4}, [Q5_K] = {2, 2, 4, 4, 4},
+                                    [Q6_K] = {2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}};
+    const int64_t bk = block_k(type), ts = gguf_tile_block_bytes(type) / 16, nb = K / bk, row = nb * ts;
+    const int hi = type == Q5_0 || type == Q5_K ? 1 : type == Q6_K ? 2 : 0;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < N / 16; t++) {
+        uint8_t codes[16][256];
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t* o = dst + (t * nb + b) * 16 * ts;
+            for (int f = 0; f < 17 && F_LEN[type][f]; f++)
+                for (int c = 0; c < 16; c++) {
+                    memcpy(o, src + (16 * t + c) * row + b * ts + F_OFF[type][f], (size_t)F_LEN[type][f]);
+                    o += F_LEN[type][f];
+                }
+            for (int c = 0; c < 16; c++) block_codes(type, src + (16 * t + c) * row + b * ts, codes[c]);
+            for (int64_t sb = 0; sb < bk / 32; sb++) {
+                const int k0 = (int)(32 * sb);
+                if (type == Q8_0) {
+                    for (int p = 0; p < 8; p++)
+                        for (int c = 0; c < 16; c++)
+                            for (int j = 0; j < 4; j++) *o++ = codes[c][k0 + 4 * p + j];
+                    continue;
+                }
+                for (int g = 0; g < 4; g++)
+                    for (int c = 0; c < 16; c++)
+                        for (int j = 0; j < 4; j++)
+                            *o++ = (uint8_t)((codes[c][k0 + 8 * g + j] & 15) | (codes[c][k0 + 8 * g + 4 + j] & 15) << 4);
+                for (int h = 0; h < hi; h++)
+                    for (int p = 0; p < 8; p++) {
+                        uint64_t m = 0;
+                        for (int c = 0; c < 16; c++)
+                            for (int j = 0; j < 4; j++)
+                                m |= (uint64_t)((codes[c][k0 + 4 * p + j] >> (4 + h)) & 1) << (4 * c + j);
+                        memcpy(o, &m, 8);
+                        o += 8;
+                    }
+            }
+        }
+    }
+}

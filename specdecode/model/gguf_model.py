@@ -1,0 +1,98 @@
+"""Build our Transformer straight from a GGUF file's quantized blocks (`quantization="gguf"`).
+
+The linears (fused q/k/v and gate/up as in `Transformer.fuse_projections`, o, down, the output matrix) become
+`GGUFLinear`s holding the file's blocks re-laid out for the kernel, the token embeddings a `GGUFEmbedding`
+reading rows from the memory-mapped file; norms and biases are dequantized into the model dtype as on the
+bf16 path. The model's weight bytes are then about the file's size (the tied output matrix is the only copy
+of the embeddings in memory; looked-up rows are read from the file's pages).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from torch import nn
+
+from specdecode.model.config import ModelConfig
+from specdecode.model.gguf_linear import GGUFEmbedding, GGUFLinear
+from specdecode.model.gguf_loader import _unpermute, config_from_gguf_file, open_gguf
+from specdecode.model.transformer import Transformer
+
+QUANTIZED = {t for t in GGMLQuantizationType if t not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                                          GGMLQuantizationType.BF16)}
+
+
+def _rows(t: object) -> int:
+    return int(t.shape[1]) if len(t.shape) > 1 else 1  # ggml order: [columns, rows]
+
+
+def load_native(path: Path, dtype: torch.dtype) -> tuple[Transformer, ModelConfig]:
+    """The model of a GGUF file with its quantized linears kept in their blocks (CPU)."""
+    cfg = config_from_gguf_file(path)
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def raw(name: str, heads: int | None = None) -> tuple[int, np.ndarray]:
+        t = tensors[name]
+        data = np.asarray(t.data).reshape(_rows(t), -1)
+        if heads is not None and cfg.arch == "llama":  # undo llama.cpp's Q/K row order (whole rows of blocks)
+            data = _unpermute(data, heads)
+        return int(t.tensor_type), data
+
+    def dense(name: str, heads: int | None = None) -> torch.Tensor:
+        t = tensors[name]
+        arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)  # a writable copy
+        if heads is not None and cfg.arch == "llama":
+            arr = _unpermute(arr, heads)
+        return torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
+
+    def param(name: str) -> nn.Parameter:
+        return nn.Parameter(dense(name), requires_grad=False)
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    d, heads, kv_heads = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+    body = model.model
+    emb = tensors["token_embd.weight"]
+    if emb.tensor_type in QUANTIZED:
+        mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=int(emb.data_offset),
+                           shape=(_rows(emb), int(emb.n_bytes) // _rows(emb)))
+        body.embed_tokens = GGUFEmbedding(int(emb.tensor_type), mapped, d, dtype)
+    else:
+        body.embed_tokens = nn.Embedding.from_pretrained(dense("token_embd.weight").reshape(-1, d), freeze=True)
+    for i, layer in enumerate(body.layers):
+        p = f"blk.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        bias = None
+        if cfg.attention_bias:
+            bias = torch.cat([dense(p + "attn_q.bias", heads), dense(p + "attn_k.bias", kv_heads),
+                              dense(p + "attn_v.bias")])
+        qkv = [raw(p + "attn_q.weight", heads), raw(p + "attn_k.weight", kv_heads), raw(p + "attn_v.weight")]
+        attn.qkv_proj = GGUFLinear(qkv, d, bias=bias, dtype=dtype)
+        del attn.q_proj, attn.k_proj, attn.v_proj
+        attn.o_proj = GGUFLinear([raw(p + "attn_output.weight")], heads * cfg.head_dim, dtype=dtype)
+        mlp.gate_up_proj = GGUFLinear([raw(p + "ffn_gate.weight"), raw(p + "ffn_up.weight")], d, dtype=dtype)
+        del mlp.gate_proj, mlp.up_proj
+        mlp.down_proj = GGUFLinear([raw(p + "ffn_down.weight")], cfg.intermediate_size, dtype=dtype)
+        layer.input_layernorm.weight = param(p + "attn_norm.weight")
+        layer.post_attention_layernorm.weight = param(p + "ffn_norm.weight")
+    body.norm.weight = param("output_norm.weight")
+    out = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    model.lm_head = GGUFLinear([raw(out)], d, dtype=dtype)
+    tensors.clear()  # the linears hold their own copies: the file's mapping goes with the reader
+    del reader
+    left = [n for n, t in model.named_parameters() if t.is_meta] + [n for n, t in model.named_buffers() if t.is_meta]
+    if left:
+        raise ValueError(f"GGUF tensors missing for {left}")
+    return model.eval(), cfg
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held in memory (quantized blocks, norms, biases)."""
+    total = sum(m.weight_bytes for m in model.modules() if isinstance(m, GGUFLinear))
+    total += sum(m.bias.numel() * 2 for m in model.modules() if isinstance(m, GGUFLinear) and m.bias is not None)
+    return total + sum(p.numel() * p.element_size() for p in model.parameters())
