@@ -146,3 +146,21 @@ def test_ngram_speculation_equals_plain(gguf_llm_factory, dtype: str) -> None:  
                                                                   "prompt_lookup_min": 1})
         got = [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY)]
         assert got == want, k
+
+
+def test_dense_output_rows_for_a_head(tiny_gguf: tuple[Path, Path]) -> None:
+    """A draft head attaching to a GGUF target sees the dequantized output matrix and embeddings, then they go."""
+    from specdecode.heads.fingerprint import target_fingerprint
+    from specdecode.model.gguf_model import dense_output_rows
+
+    path, _ = tiny_gguf
+    model, cfg = load_native(path, torch.bfloat16)
+    ref = dict(_dequantized(path, cfg))
+    with dense_output_rows(model):
+        out = ref.get("lm_head.weight", ref["model.embed_tokens.weight"])
+        assert torch.equal(model.lm_head.weight, out.to(torch.bfloat16))
+        assert torch.equal(model.model.embed_tokens.weight, ref["model.embed_tokens.weight"].to(torch.bfloat16))
+        fingerprint = target_fingerprint(model)
+    assert not hasattr(model.lm_head, "weight") and model.model.embed_tokens.weight.numel() == 0
+    bf16_path = load._build(cfg, {k: v.to(torch.bfloat16) for k, v in ref.items()}, torch.device("cpu"))
+    assert fingerprint == target_fingerprint(bf16_path)  # a head trained on the bf16 path attaches

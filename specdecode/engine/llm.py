@@ -23,6 +23,7 @@ from specdecode.heads.modules import DraftHead, EagleHead, MedusaHeads
 from specdecode.heads.persist import load_head
 from specdecode.heads.shipped import shipped_head
 from specdecode.model.fast_linear import convert_linears, draft_linear_format, target_linear_format
+from specdecode.model.gguf_model import dense_output_rows
 from specdecode.model.load import (
     LoadedModel,
     default_device,
@@ -102,7 +103,8 @@ class LLM:
             if head_dir is None:
                 raise ValueError(f'method "{spec.method}" needs "model": a head directory trained for {model!r} '
                                  "(`specdecode train-head`); no head ships for this target")
-            self.head = load_head(str(head_dir), self.target.model, kind=spec.method)
+            with dense_output_rows(self.target.model):  # a GGUF target's blocks: dense rows while attaching
+                self.head = load_head(str(head_dir), self.target.model, kind=spec.method)
             if isinstance(self.head, EagleHead) and self.head.config.feature_layers:  # EAGLE-3 style head
                 self.target.model.capture_layers = tuple(self.head.config.feature_layers)
             convert_linears(self.head, draft_linear_format(spec.quantization, self.dtype, self.device))

@@ -9,6 +9,8 @@ of the embeddings in memory; looked-up rows are read from the file's pages).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -57,11 +59,15 @@ def load_native(path: Path, dtype: torch.dtype) -> tuple[Transformer, ModelConfi
         model = Transformer(cfg)
     d, heads, kv_heads = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
     body = model.model
+    def mapped(name: str) -> np.ndarray:
+        """The tensor's blocks in the file, memory-mapped apart from the reader (whose mapping goes)."""
+        t = tensors[name]
+        return np.memmap(path, dtype=np.uint8, mode="r", offset=int(t.data_offset),
+                         shape=(_rows(t), int(t.n_bytes) // _rows(t)))
+
     emb = tensors["token_embd.weight"]
     if emb.tensor_type in QUANTIZED:
-        mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=int(emb.data_offset),
-                           shape=(_rows(emb), int(emb.n_bytes) // _rows(emb)))
-        body.embed_tokens = GGUFEmbedding(int(emb.tensor_type), mapped, d, dtype)
+        body.embed_tokens = GGUFEmbedding(int(emb.tensor_type), mapped("token_embd.weight"), d, dtype)
     else:
         body.embed_tokens = nn.Embedding.from_pretrained(dense("token_embd.weight").reshape(-1, d), freeze=True)
     for i, layer in enumerate(body.layers):
@@ -83,12 +89,35 @@ def load_native(path: Path, dtype: torch.dtype) -> tuple[Transformer, ModelConfi
     body.norm.weight = param("output_norm.weight")
     out = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     model.lm_head = GGUFLinear([raw(out)], d, dtype=dtype)
+    if tensors[out].tensor_type in QUANTIZED:
+        model.lm_head.source = (int(tensors[out].tensor_type), mapped(out))  # for `dense_output_rows`
     tensors.clear()  # the linears hold their own copies: the file's mapping goes with the reader
     del reader
     left = [n for n, t in model.named_parameters() if t.is_meta] + [n for n, t in model.named_buffers() if t.is_meta]
     if left:
         raise ValueError(f"GGUF tensors missing for {left}")
     return model.eval(), cfg
+
+
+@contextmanager
+def dense_output_rows(model: nn.Module) -> Iterator[None]:
+    """While attaching a draft head: the output matrix and the embeddings as dense tensors in the model dtype
+    (`lm_head.weight`, `embed_tokens.weight`), which a head copies rows of and fingerprints; dropped after."""
+    emb, head = model.model.embed_tokens, model.lm_head
+    if not isinstance(emb, GGUFEmbedding) or not hasattr(head, "source"):
+        yield
+        return
+    dtype, empty = emb.weight.dtype, emb.weight
+    table = torch.from_numpy(dequantize(np.asarray(emb.raw), emb.qtype).reshape(-1, emb.dim)).to(dtype)
+    emb.weight = nn.Parameter(table, requires_grad=False)
+    out = table if model.config.tie_word_embeddings else torch.from_numpy(
+        dequantize(np.asarray(head.source[1]), head.source[0]).reshape(-1, emb.dim)).to(dtype)
+    head.weight = out
+    try:
+        yield
+    finally:
+        emb.weight = empty
+        del head.weight
 
 
 def weight_bytes(model: nn.Module) -> int:
