@@ -22,7 +22,7 @@ from gguf.quants import dequantize
 from specdecode.model import gguf_linear
 from specdecode.model.gguf_linear import GGUFLinear
 
-pytestmark = pytest.mark.skipif(not gguf_linear.available(), reason="GGUF kernels need AVX512-VNNI")
+native = pytest.mark.skipif(not gguf_linear.available(), reason="GGUF kernels need AVX512-VNNI")
 
 Q = gguf_linear.Q
 # Byte offsets of each type's fp16 fields within a block.
@@ -51,6 +51,7 @@ def bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return 0.5 * d @ wabs.T + 1e-5 * (np.abs(x) @ np.abs(w).T)
 
 
+@native
 @pytest.mark.parametrize("qtype", gguf_linear.KERNEL_TYPES, ids=lambda t: Q(t).name)
 @pytest.mark.parametrize("rows", [1, 4, 16, 65])
 def test_matmul_against_dequantized(qtype: int, rows: int) -> None:
@@ -70,12 +71,14 @@ def test_matmul_against_dequantized(qtype: int, rows: int) -> None:
     assert torch.equal(lin(x), single)
 
 
+@native
 @pytest.mark.parametrize("qtype", gguf_linear.KERNEL_TYPES, ids=lambda t: Q(t).name)
 def test_native_repack_matches_numpy(qtype: int) -> None:
     raw = random_blocks(qtype, 32, 512, seed=7)
     assert torch.equal(gguf_linear.repack(qtype, raw, 512), gguf_linear.repack(qtype, raw, 512, native=False))
 
 
+@native
 def test_fused_parts_of_mixed_types() -> None:
     """q/k/v-style concatenation of differently quantized parts, bf16 in and out."""
     k = 256
@@ -89,3 +92,15 @@ def test_fused_parts_of_mixed_types() -> None:
     xd = x.double().numpy()
     err = np.abs(y.double().numpy() - xd @ w.T)
     assert (err <= bound(xd, w) + np.abs(xd @ w.T) * 2**-8).all()  # plus the bf16 output's rounding
+
+
+def test_fallback_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No AVX512-VNNI (or SPECDECODE_NATIVE_KERNELS=0): the linear holds its dequantized weights, with a warning."""
+    monkeypatch.setattr(gguf_linear, "available", lambda: False)
+    raw = random_blocks(Q.Q4_K, 16, 256)
+    with pytest.warns(UserWarning, match="AVX512-VNNI"):
+        lin = GGUFLinear([(Q.Q4_K, raw)], 256, dtype=torch.float32)
+    assert not lin.native
+    x = torch.randn(3, 256)
+    want = x @ torch.from_numpy(dequantize(raw, Q.Q4_K).reshape(16, 256)).T
+    torch.testing.assert_close(lin(x), want)
