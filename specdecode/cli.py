@@ -33,11 +33,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="shorthand for a draft-model speculative config")
     p.add_argument("--method", default=None, choices=list(METHODS), help="shorthand for the method")
     p.add_argument("--head", default=None, help='shorthand for an "eagle"/"medusa" config with this head directory')
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "int8-dynamic", "int4"],
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int8-dynamic", "int4", "gguf"],
                    help="target weight format: none keeps the model exact (default); int8 (weight-only), "
                         "int8-dynamic (int8 weights and per-token int8 activations, the fastest verification "
                         "on CPU) and int4 change the model (speculation stays lossless relative to the "
-                        "quantized target)")
+                        "quantized target); gguf runs a GGUF file's own quantized blocks (AVX512-VNNI)")
     p.add_argument("--num-speculative-tokens", default=None, help='k, or "auto" (default)')
 
 

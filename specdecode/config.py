@@ -11,9 +11,9 @@ Method = Literal["ngram", "draft", "eagle", "medusa"]
 METHODS: tuple[str, ...] = ("ngram", "draft", "eagle", "medusa")
 NEEDS_MODEL = {"draft": "the draft model to run"}
 """Methods that cannot run without "model" (a head method without one uses the head shipped for the target)."""
-DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int8-dynamic", "int4", "int4-hybrid")
-"""Draft weight formats: specdecode.model.fast_linear.QUANTIZATIONS, "int4-hybrid" (int4 for a few tokens, bf16
-for prefill) and "auto" (the CPU's fastest single-token path)."""
+DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int8-dynamic", "int4", "gguf", "int4-hybrid")
+"""Draft weight formats: specdecode.model.fast_linear.QUANTIZATIONS ("gguf": a .gguf draft's own blocks),
+"int4-hybrid" (int4 for a few tokens, bf16 for prefill) and "auto" (the CPU's fastest single-token path)."""
 
 
 @dataclass(frozen=True)

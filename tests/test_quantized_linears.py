@@ -156,7 +156,7 @@ def test_int8_dynamic_bytes_counted() -> None:
 
 
 def test_quantization_choices_agree() -> None:
-    assert QUANTIZATIONS == ("none", "int8", "int8-dynamic", "int4")
+    assert QUANTIZATIONS == ("none", "int8", "int8-dynamic", "int4", "gguf")
     assert DRAFT_QUANTIZATIONS == ("auto", *QUANTIZATIONS, "int4-hybrid")
     args = build_parser().parse_args(["generate", "hi", "--quantization", "int8-dynamic"])
     assert args.quantization == "int8-dynamic"

@@ -17,9 +17,10 @@ METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive
                "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; -promptvocab (eagle, medusa) "
                "also drafts the prompt's tokens the head's vocabulary lacks (head_prompt_tokens); "
                ":LABEL uses the head given as --head LABEL=DIR (eagle:v4; compares heads in one run); "
-               "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4; default exact); "
+               "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4, plain@gguf: the GGUF's "
+               "own blocks; default exact); "
                "~FORMAT sets the draft's or head's weight format (e.g. draft~int4-hybrid; default auto)")
-TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
+TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4", "gguf")
 """Target formats a method may name after "@" (model/fast_linear.py's QUANTIZATIONS)."""
 
 

@@ -25,6 +25,7 @@ from specdecode.heads.persist import load_head
 from specdecode.heads.shipped import shipped_head
 from specdecode.log import timed_step
 from specdecode.model.fast_linear import convert_linears, draft_linear_format, target_linear_format
+from specdecode.model.gguf_model import dense_output_rows
 from specdecode.model.load import (
     LoadedModel,
     default_device,
@@ -61,8 +62,9 @@ class LLM:
         max_model_len: context to allocate KV cache for (default min(model's, 8192)).
         seed: default seed of requests that give none.
         quantization: target weight format: "none" (exact, default), "int8" (weight-only), "int8-dynamic"
-            (int8 weights x per-token int8 activations, CPU/FBGEMM) or "int4" (opt-in: changes the model;
-            speculative decoding stays lossless relative to the quantized target).
+            (int8 weights x per-token int8 activations, CPU/FBGEMM), "int4" (opt-in: changes the model;
+            speculative decoding stays lossless relative to the quantized target), or "gguf" (a .gguf target's
+            own quantized blocks, not dequantized: llama.cpp's model in about the file's memory; CPU).
     """
 
     def __init__(
@@ -87,14 +89,16 @@ class LLM:
         draft_path = draft_cfg = None
         spec = self.spec
         draft_dtype = self.dtype if spec is None or spec.draft_dtype == "auto" else parse_dtype(spec.draft_dtype)
-        parts = [("target", estimate_bytes(target_cfg, self.dtype, self.max_model_len, device=self.device))]
+        parts = [("target", estimate_bytes(target_cfg, self.dtype, self.max_model_len, device=self.device,
+                                           gguf_file=target_path if quantization == "gguf" else None))]
         if spec is not None and spec.method == "draft":
             draft_path = resolve_model(str(spec.model))
             draft_cfg = read_config(draft_path)
-            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len, device=self.device)))
+            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len, device=self.device,
+                                                  gguf_file=draft_path if spec.quantization == "gguf" else None)))
         check_memory(parts, self.device)  # before any weight is loaded
 
-        self.target: LoadedModel = load_resolved(target_path, model, self.dtype, self.device)
+        self.target: LoadedModel = load_resolved(target_path, model, self.dtype, self.device, quantization)
         self.tokenizer = self.target.tokenizer
         self.head: DraftHead | None = None
         if spec is not None and spec.method in ("eagle", "medusa"):
@@ -103,7 +107,8 @@ class LLM:
             if head_dir is None:
                 raise ValueError(f'method "{spec.method}" needs "model": a head directory trained for {model!r} '
                                  "(`specdecode train-head`); no head ships for this target")
-            self.head = load_head(str(head_dir), self.target.model, kind=spec.method)
+            with dense_output_rows(self.target.model):  # a GGUF target's blocks: dense rows while attaching
+                self.head = load_head(str(head_dir), self.target.model, kind=spec.method)
             if isinstance(self.head, EagleHead) and self.head.config.feature_layers:  # EAGLE-3 style head
                 self.target.model.capture_layers = tuple(self.head.config.feature_layers)
             convert_linears(self.head, draft_linear_format(spec.quantization, self.dtype, self.device))
@@ -119,7 +124,8 @@ class LLM:
             # Same tokenizer, differently padded embeddings: the draft drafts over the real ids only.
             rows = check_draft_rows(model, target_cfg.vocab_size, str(spec.model), draft_cfg.vocab_size,
                                     self.tokenizer)
-            self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device)
+            self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device,
+                                       "gguf" if spec.quantization == "gguf" else "none")
             convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
             draft_model = self.draft.model
             width, branching = spec.tree_width, spec.tree_branching

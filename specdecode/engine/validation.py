@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psutil
 import torch
 
@@ -60,13 +62,14 @@ def check_draft_rows(target_name: str, target_rows: int, draft_name: str, draft_
 
 
 def estimate_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int, batch: int = 1,
-                   device: torch.device | None = None) -> int:
+                   device: torch.device | None = None, gguf_file: Path | None = None) -> int:
     """Weights in `dtype` plus a KV cache of max_len tokens per row, plus activation headroom. A tied output
-    matrix counts twice where the CPU's bf16 kernel keeps its own re-laid-out copy of it (AVX2 and AMX CPUs)."""
+    matrix counts twice where the CPU's bf16 kernel keeps its own re-laid-out copy of it (AVX2 and AMX CPUs).
+    `gguf_file`: the weights are that file's blocks, kept as they are (quantization "gguf"): its size."""
     width = torch.finfo(dtype).bits // 8
-    weights = cfg.num_parameters() * width
+    weights = cfg.num_parameters() * width if gguf_file is None else gguf_file.stat().st_size
     on_cpu = device is None or device.type == "cpu"
-    if cfg.tie_word_embeddings and dtype == torch.bfloat16 and on_cpu and bf16_copies_weights():
+    if cfg.tie_word_embeddings and dtype == torch.bfloat16 and on_cpu and bf16_copies_weights() and not gguf_file:
         weights += cfg.vocab_size * cfg.hidden_size * width
     kv = cfg.kv_bytes_per_token(width) * max_len * batch
     headroom = 4 * cfg.vocab_size * 4 * 16 + 64 * 2**20  # logits of a 16-token verify + runtime slack

@@ -27,10 +27,12 @@ from torch import nn
 
 from specdecode.model import native_kernels
 
-LinearFormat = Literal["none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid"]
+LinearFormat = Literal["none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid", "gguf"]
 FORMATS: tuple[str, ...] = ("none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid")
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4")
-"""What a user may pick for a target (`LLM(quantization=...)`, `--quantization`) or a draft."""
+"""Formats `convert_linears` converts nn.Linear layers into ("gguf" linears are built at load instead)."""
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4", "gguf")
+"""What a user may pick for a target (`LLM(quantization=...)`, `--quantization`) or a draft. "gguf": a GGUF's own
+blocks, kept at load (`gguf_model`); its linears need no conversion."""
 
 
 def _native(native: bool | None) -> bool:
@@ -402,7 +404,7 @@ NATIVE_FORMATS: tuple[str, ...] = ("bf16", "int8", "int8-dynamic", "int4", "int4
 def convert_linears(model: nn.Module, fmt: LinearFormat, native: bool | None = None) -> nn.Module:
     """Replace every nn.Linear (lm_head included) by the given CPU format, in place. `native` picks the
     kernels of a weight-only format (None: ours where available)."""
-    if fmt == "none":
+    if fmt in ("none", "gguf"):  # gguf: the linears were built from the file's blocks at load (gguf_model)
         return model
     if fmt not in _CONSTRUCTORS:
         raise ValueError(f"unknown linear format {fmt!r}; choose one of {', '.join(FORMATS)}")

@@ -193,8 +193,17 @@ def read_config(path: Path) -> ModelConfig:
         raise
 
 
-def load_resolved(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_resolved(path: Path, name: str, dtype: torch.dtype, device: torch.device,
+                  quantization: str = "none") -> LoadedModel:
+    """quantization "gguf": a GGUF's quantized blocks kept as they are (`gguf_model`), not dequantized."""
     with timed_step(logger, f"loaded {name} ({_dtype_tag(dtype)}, {device})"):
+        if quantization == "gguf":
+            if path.is_dir() or device.type != "cpu":
+                raise ValueError("quantization 'gguf' needs a .gguf model on the CPU")
+            from specdecode.model.gguf_model import load_native
+
+            model, cfg = load_native(path, dtype)
+            return LoadedModel(model=model, tokenizer=load_tokenizer(path), config=cfg, path=path, name=name)
         if path.is_dir():
             model, tok, cfg = _load_hf_dir(path, dtype, device)
         else:

@@ -24,6 +24,8 @@ from specdecode.model.fast_linear import (
     Int8DynamicLinear,
     Int8WeightLinear,
 )
+from specdecode.model.gguf_linear import GGUFLinear
+from specdecode.model.gguf_linear import gemm_address as gguf_gemm_address
 from specdecode.model.kv_cache import CacheSlots, KVCache
 
 LIN_BF16, LIN_INT8_DYNAMIC, LIN_WOQ_INT8, LIN_WOQ_INT4, LIN_GEMM_FN = 0, 1, 2, 3, 4
@@ -55,6 +57,10 @@ def linear_entry(module: nn.Module) -> tuple[LinearEntry, int] | None:
         module, rows = module.int4, module.max_int4_rows
     if not getattr(module, "native", False):
         return None
+    if isinstance(module, GGUFLinear):  # GGUF blocks: gguf_gemm adds the bias itself
+        entry = LinearEntry(LIN_GEMM_FN, module.out_features, module.in_features, ctypes.addressof(module.desc),
+                            gguf_gemm_address(), None, _ptr(module.bias), 0.0)
+        return entry, rows
     if isinstance(module, BF16Linear) and module.amx:  # any row count
         entry = LinearEntry(LIN_GEMM_FN, module.out_features, module.in_features, _ptr(module.packed_amx),
                             native_kernels.amx_gemm_address(), None, _ptr(module.bias), 0.0)
