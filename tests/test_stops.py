@@ -198,7 +198,10 @@ def test_real_eos_inside_block() -> None:
                speculative_config={"method": "ngram", "num_speculative_tokens": K})
     from specdecode.proposers.draft_model import DraftModelProposer
 
-    spec.decoder.proposer = DraftModelProposer(spec.target.model, spec.max_model_len)  # same weights
+    from specdecode.proposers.rows import RowProposers
+
+    # same weights
+    spec.engine.set_proposer(RowProposers(lambda: DraftModelProposer(spec.target.model, spec.max_model_len)))
     b = spec.chat(msgs, p)[0]
     assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
     assert b.token_ids.count(eos) == 1

@@ -22,3 +22,20 @@ def run_batched(llm: LLM, prompts: list[list[int]], params: SamplingParams, max_
     while engine.has_work():
         engine.step()
     return seqs
+
+
+def record_proposers(llm: LLM) -> list:
+    """Make `llm.generate` draft with proposers from the LLM's own factory, and return the list every new one
+    is appended to (to inspect a request's drafting state after it finished)."""
+    from specdecode.proposers.rows import RowProposers
+
+    made: list = []
+    factory = llm.proposer_factory
+    assert factory is not None
+
+    def make():  # noqa: ANN202
+        made.append(factory())
+        return made[-1]
+
+    llm.engine.set_proposer(RowProposers(make))
+    return made
