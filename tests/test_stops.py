@@ -197,7 +197,6 @@ def test_real_eos_inside_block() -> None:
     spec = LLM("smollm2-135m-instruct", dtype="fp32", device="cpu", max_model_len=256,
                speculative_config={"method": "ngram", "num_speculative_tokens": K})
     from specdecode.proposers.draft_model import DraftModelProposer
-
     from specdecode.proposers.rows import RowProposers
 
     # same weights

@@ -112,14 +112,13 @@ TREE_COST_SLACK = 1.3
 one token (the memory-bound plateau of a bf16 or int8 target)."""
 
 
-def tree_node_budget(cost: CostModel, k_max: int, rows: int = 1) -> int:
-    """Draft nodes per row that verification affords almost for free when `rows` rows share the forward:
-    the most n with a forward over rows * (n + 1) tokens within TREE_COST_SLACK of a forward over one token
-    per row; at least k_max (a full chain). Under load the budget falls toward a chain."""
+def tree_node_budget(cost: CostModel, k_max: int, rows: int = 1, max_nodes: int = 64) -> int:
+    """Draft nodes per row (up to max_nodes) that verification affords almost for free when `rows` rows share
+    the forward: the most n with a forward over rows * (n + 1) tokens within TREE_COST_SLACK of a forward
+    over one token per row; at least k_max (a full chain). Under load the budget falls toward a chain."""
     rows = max(1, rows)
     limit = TREE_COST_SLACK * cost.target_forward_seconds(rows)
-    top = len(cost.target_seconds) // rows
-    fits = [n for n in range(0, top) if cost.target_forward_seconds(rows * (n + 1)) <= limit]
+    fits = [n for n in range(max_nodes + 1) if cost.target_forward_seconds(rows * (n + 1)) <= limit]
     return max([k_max, *fits])
 
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
+from specdecode.engine.adaptive import CostModel
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
-from specdecode.engine.adaptive import CostModel
 from specdecode.proposers.base import Capabilities, Draft, ProposerDefaults, SequenceView
 from specdecode.proposers.lookup_choice import AcceptanceRate, guess_beats_draft
 from specdecode.proposers.ngram_match import ngram_match
@@ -254,7 +254,8 @@ class DraftModelProposer(ProposerDefaults):
 
         width = level_width(self.tree_width, node_budget, depth)
         draft = grow_tree(logits, depth, width, self.tree_branching, base, expand,
-                          select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint(), node_budget))
+                          select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint(),
+                                              node_budget))
         # Tree entries past the prefix are scratch: the next propose re-feeds what was accepted.
         self.cache.set_length(0, base)
         return draft

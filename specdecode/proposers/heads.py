@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from specdecode.heads.modules import EagleHead, MedusaHeads
 from specdecode.engine.adaptive import CostModel
+from specdecode.heads.modules import EagleHead, MedusaHeads
 from specdecode.proposers.base import Capabilities, Draft, ProposerDefaults, SequenceView
 from specdecode.proposers.head_columns import HeadColumns
 from specdecode.proposers.tree_growth import (
@@ -109,7 +109,8 @@ class EagleProposer(ProposerDefaults):
         width = level_width(self.tree_width, DEFAULT_NODE_BUDGET if node_budget is None else node_budget, k)
         draft = grow_tree(self.columns.logits(root), k, width, self.tree_branching, base, expand,
                           token_map=self.columns.token_map,
-                          select=node_selector(self.tree_value, self.tree_width, lambda: k * self.step_cost_hint(), node_budget))
+                          select=node_selector(self.tree_value, self.tree_width, lambda: k * self.step_cost_hint(),
+                                                node_budget))
         self.cache.set_length(0, base)  # tree entries are scratch
         return draft
 
@@ -178,7 +179,8 @@ class MedusaProposer(ProposerDefaults):
 
         width = level_width(self.tree_width, DEFAULT_NODE_BUDGET if node_budget is None else node_budget, depth)
         return grow_tree(logits[0], depth, width, self.tree_branching, 1, expand, token_map=self.columns.token_map,
-                         select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint(), node_budget))
+                         select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint(),
+                                              node_budget))
 
     def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
         if self.tree_value is not None and own_accepted is not None:

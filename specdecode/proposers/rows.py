@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from specdecode.engine.adaptive import CostModel
-from specdecode.proposers.base import Capabilities, Draft, ProposeRow, Proposer, SequenceView
+from specdecode.proposers.base import Capabilities, Draft, Proposer, ProposeRow, SequenceView
 
 
 class RowProposers:
