@@ -29,7 +29,7 @@ from specdecode.verify import tree as tree_verify
 VOCAB = 6
 PROMPT = [0, 3, 1]
 NUM_EMITTED = 3
-NUM_REQUESTS = 3000
+NUM_REQUESTS = 1200
 P_THRESHOLD = 1e-3
 PARAMS = dict(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True)
 
