@@ -36,7 +36,7 @@ from specdecode.proposers.base import Proposer
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.heads import EagleProposer, MedusaProposer
 from specdecode.proposers.ngram import NgramProposer
-from specdecode.proposers.rows import RowProposers
+from specdecode.proposers.rows import MedusaRows, RowProposers
 from specdecode.sampling import SamplingParams
 from specdecode.tree import MAX_TREE_NODES
 
@@ -154,7 +154,10 @@ class LLM:
 
     def new_proposer(self) -> RowProposers | None:
         """A batch proposer: one drafting state per row (None without speculation)."""
-        return RowProposers(self.proposer_factory) if self.proposer_factory is not None else None
+        if self.proposer_factory is None:
+            return None
+        batch = MedusaRows if isinstance(self.head, MedusaHeads) else RowProposers
+        return batch(self.proposer_factory)
 
     def measure_cost(self, proposer: RowProposers | None, max_rows: int, flat: bool = False) -> CostModel:
         """Time the target's forwards (one row up to a whole tree, and batches up to max_rows rows) and the

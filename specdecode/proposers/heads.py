@@ -171,8 +171,14 @@ class MedusaProposer(ProposerDefaults):
     def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
         if k <= 0 or self.last is None:
             return Draft()
+        return self.propose_from(self.head(self.last), k, node_budget)
+
+    @torch.inference_mode()
+    def propose_from(self, features: torch.Tensor, k: int, node_budget: int | None = None) -> Draft:
+        """The tree from the heads' features [K, D] at the newest kept position (`MedusaRows` computes them for
+        every row in one head forward)."""
         depth = min(k, len(self.head.blocks))
-        logits = self.columns.logits(self.head(self.last)[:depth])  # [depth, Vd + extra columns]
+        logits = self.columns.logits(features[:depth])  # [depth, Vd + extra columns]
 
         def expand(level: TreeLevel) -> torch.Tensor:
             return logits[level.level + 1].expand(len(level.nodes), -1)

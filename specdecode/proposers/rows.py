@@ -12,6 +12,7 @@ import torch
 
 from specdecode.engine.adaptive import CostModel
 from specdecode.proposers.base import Capabilities, Draft, Proposer, ProposeRow, SequenceView
+from specdecode.proposers.heads import MedusaProposer
 
 
 class RowProposers:
@@ -58,3 +59,18 @@ class RowProposers:
 
     def catch_up_token_seconds(self) -> float:
         return self.probe.catch_up_token_seconds()
+
+
+class MedusaRows(RowProposers):
+    """Medusa rows: every drafting row's heads run in one forward over the rows' newest features."""
+
+    @torch.inference_mode()
+    def propose(self, rows: list[ProposeRow]) -> list[Draft]:
+        proposers: list[MedusaProposer] = [self.rows[r.key] for r in rows]  # type: ignore[misc]
+        ready = [i for i, p in enumerate(proposers) if p.last is not None]
+        drafts = [Draft() for _ in rows]
+        if ready:
+            features = proposers[ready[0]].head(torch.stack([proposers[i].last for i in ready]))  # [K, R, D]
+            for j, i in enumerate(ready):
+                drafts[i] = proposers[i].propose_from(features[:, j], rows[i].k, rows[i].node_budget)
+        return drafts
