@@ -134,7 +134,7 @@ def value_chosen(steps: list, orders: list[list[int]], draft_s: float, verify: d
 
 def head_level_seconds(llm, widths: list[int]) -> dict[int, float]:  # noqa: ANN001
     """Median seconds of one head level over m nodes (forward + draft logits + top-8), for each m."""
-    prop = llm.decoder.proposer
+    prop = llm.proposer_factory()  # one request's EAGLE proposer: the head and its cache
     head = prop.head
     out = {}
     with torch.inference_mode():
@@ -166,7 +166,7 @@ def main() -> None:
     llm = LLM(TARGET, speculative_config={
         "method": "eagle", "model": str(shipped_head(TARGET, "eagle")), "num_speculative_tokens": 6,
         "draft_tree_width": 10, "draft_tree_branching": 8, "draft_prompt_lookup": False})
-    llm.decoder.measure_cost()  # a fixed k skips it at start-up; its forward costs price the rules below
+    cost = llm.measure_cost(llm.engine.proposer, 1)  # a fixed k skips it at start-up; it prices the rules below
     pool_file = args.out / "pools.json"
     if pool_file.exists():
         runs = json.loads(pool_file.read_text())
@@ -177,7 +177,6 @@ def main() -> None:
         runs = record_pools(llm, prompts, args.max_tokens)
         print(f"{len(runs)} requests, {sum(len(r['steps']) for r in runs)} steps in {time.perf_counter() - t0:.0f} s")
         pool_file.write_text(json.dumps(runs))
-    cost = llm.decoder.cost
     verify = {t: cost.target_forward_seconds(t) for t in range(1, MAX_TREE_NODES + 2)}  # any tree + its root
     level = head_level_seconds(llm, [1, 2, 4, 10])
     steps = [(s, correct_nodes(s, r["full"])) for r in runs for s in r["steps"]]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_helpers import record_proposers
 
 from specdecode import LLM, SamplingParams
 from specdecode.model.load import load_model
@@ -140,6 +141,7 @@ def test_engine_auto_k_with_guesses_equals_plain(tiny_llama_dir: Path) -> None:
     plain = LLM(str(tiny_llama_dir), dtype="fp32").generate([prompt], params)[0].token_ids
     spec = {"method": "draft", "model": str(tiny_llama_dir)}
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
-    proposer = llm.decoder.proposer
-    assert isinstance(proposer, DraftModelProposer) and proposer.target_seconds is not None
+    made = record_proposers(llm)
     assert llm.generate([prompt], params)[0].token_ids == plain
+    proposer = made[-1]  # configured with the engine's measured cost
+    assert isinstance(proposer, DraftModelProposer) and proposer.target_seconds is not None

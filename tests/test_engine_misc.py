@@ -20,7 +20,8 @@ from specdecode.engine import validation
 from specdecode.engine.adaptive import CostModel
 from specdecode.engine.validation import IncompatibleDraftError, InsufficientMemoryError
 from specdecode.model.load import read_config
-from specdecode.proposers.base import Draft, SequenceView
+from specdecode.proposers.base import Draft, ProposerDefaults, SequenceView
+from specdecode.proposers.rows import RowProposers
 
 SMOL = "smollm2-135m-instruct"
 PROMPT = "def add(a, b):\n    return a + b\n"
@@ -130,8 +131,8 @@ def _forbid_compute(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the target ran before the request was validated")
 
-    monkeypatch.setattr(llm.decoder, "_forward", boom)
-    monkeypatch.setattr(llm.decoder, "prefill", boom)
+    monkeypatch.setattr(llm.engine, "_target_forward", boom)
+    monkeypatch.setattr(llm.engine, "_prefill", boom)
 
 
 def test_vllm_dict_prompts(plain: LLM) -> None:
@@ -176,7 +177,7 @@ def test_short_context_with_auto_k(
     """Start-up cost measurement (auto k) must fit a context shorter than k_max; output stays exact."""
     cfg = draft_cfg(tiny_llama_other_dir, "auto") if method == "draft" else {"method": "ngram"}
     llm = fp32(tiny_llama_dir, cfg, max_model_len=max_model_len)
-    assert llm.decoder.cost is not None
+    assert llm.cost is not None and llm.engine.cost is llm.cost
     prompt = plain.tokenizer.encode(PROMPT)[: max_model_len // 2]
     params = SamplingParams(max_tokens=max_model_len - len(prompt), temperature=0.0, ignore_eos=True)
     out = llm.generate(prompt, params)[0]
@@ -309,25 +310,29 @@ def test_chat(which: str, plain: LLM, request: pytest.FixtureRequest) -> None:
 # ---- adaptive k ---------------------------------------------------------------------------------
 
 
-class CountingProposer:
+class CountingProposer(ProposerDefaults):
     """Wraps a proposer and records, per verify step, how many tokens it drafted."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.name = inner.name
+        self.capabilities = inner.capabilities
         self.drafted: list[tuple[int, int]] = []  # (output tokens before the step, tokens drafted)
 
     def begin(self, seq: SequenceView) -> None:
         self.drafted = []
         self.inner.begin(seq)
 
-    def propose(self, seq: SequenceView, k: int) -> Draft:
-        d = self.inner.propose(seq, k)
+    def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
+        d = self.inner.propose(seq, k, node_budget)
         self.drafted.append((len(seq.token_ids) - seq.prompt_len, len(d)))
         return d
 
-    def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
-        self.inner.on_verified(seq, num_accepted)
+    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
+        self.inner.on_verified(seq, num_accepted, own_accepted)
+
+    def catch_up_tokens(self, seq: SequenceView) -> int:
+        return self.inner.catch_up_tokens(seq)
 
     def step_cost_hint(self) -> float:
         return self.inner.step_cost_hint()
@@ -345,14 +350,18 @@ KNOWN_COST = CostModel.from_points({1: 0.010, 9: 0.012}, 9, draft_step_seconds=0
 def test_adaptive_k_stops_drafting_with_a_useless_drafter(
     spec_auto_random: LLM, plain: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    dec = spec_auto_random.decoder
-    assert dec.fixed_k is None and dec.cost is not None  # "auto" measured the cost at start-up
-    counting = CountingProposer(dec.proposer)
-    monkeypatch.setattr(dec, "proposer", counting)
-    monkeypatch.setattr(dec, "cost", KNOWN_COST)  # deterministic, whatever the machine's load
+    engine = spec_auto_random.engine
+    assert engine.fixed_k is None and engine.cost is not None  # "auto" measured the cost at start-up
+    measured, original = engine.cost, engine.proposer
+    assert spec_auto_random.proposer_factory is not None
+    counting = CountingProposer(spec_auto_random.proposer_factory())
+    engine.set_proposer(RowProposers(lambda: counting), KNOWN_COST)  # deterministic, whatever the machine's load
     n = 200
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    out = spec_auto_random.generate(PROMPT, params)[0]
+    try:
+        out = spec_auto_random.generate(PROMPT, params)[0]
+    finally:
+        engine.set_proposer(original, measured)
     assert out.token_ids == plain.generate(PROMPT, params)[0].token_ids
     m = out.metrics
     assert m["acceptance_rate"] <= 0.2
@@ -365,11 +374,15 @@ def test_adaptive_k_stops_drafting_with_a_useless_drafter(
 
 
 def test_adaptive_k_drafts_long_with_a_perfect_drafter(spec_same: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    dec = spec_same.decoder
-    monkeypatch.setattr(dec, "fixed_k", None)
-    monkeypatch.setattr(dec, "k_max", 8)
-    monkeypatch.setattr(dec, "cost", KNOWN_COST)
-    out = spec_same.generate(PROMPT, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))[0]
+    engine = spec_same.engine
+    measured = engine.cost
+    monkeypatch.setattr(engine, "fixed_k", None)
+    monkeypatch.setattr(engine, "k_max", 8)
+    engine.cost = KNOWN_COST
+    try:
+        out = spec_same.generate(PROMPT, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))[0]
+    finally:
+        engine.cost = measured
     assert out.metrics["acceptance_rate"] == 1.0
     assert out.metrics["mean_accepted_length"] > 4
 
@@ -406,15 +419,17 @@ def test_metrics_keys_and_values(which: str, request: pytest.FixtureRequest) -> 
 
 
 def test_request_timing_excludes_the_wait_for_earlier_prompts(plain: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """generate() validates every prompt first, then runs them one after the other; each request's
-    seconds / tokens_per_second must measure its own generation, not the queue before it."""
-    real = plain.decoder.generate
+    """generate() validates every prompt first, then runs them as a batch of up to max_num_seqs rows; each
+    request's seconds / tokens_per_second must measure its own generation, not the wait for a free row."""
+    engine = plain.engine
+    real = engine._prefill
 
-    def slow_generate(seq: Any, *args: Any, **kwargs: Any) -> Any:
+    def slow_prefill(*args: Any, **kwargs: Any) -> Any:
         time.sleep(0.5)  # stand-in for a long earlier request
-        return real(seq, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(plain.decoder, "generate", slow_generate)
+    monkeypatch.setattr(engine, "_prefill", slow_prefill)
+    monkeypatch.setattr(engine, "max_num_seqs", 1)  # one row: each request waits for the one before it
     outs = plain.generate([PROMPT, PROMPT, PROMPT], SamplingParams(max_tokens=4, temperature=0.0))
     for o in outs:
         assert o.metrics["seconds"] < 0.5, o.metrics
@@ -437,36 +452,35 @@ def test_batch_engine_refuses_rows_that_do_not_fit(tiny_llama_dir, monkeypatch) 
 def test_batch_cap_counts_the_draft_catch_up(tiny_llama_dir) -> None:
     """A row whose drafter must first catch up on a long context only drafts if that pays."""
     from specdecode import LLM, SamplingParams
-    from specdecode.engine.batch import BatchCost
 
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram"})
     engine = llm.batch_engine(max_num_seqs=2)
-    engine.cost = BatchCost(((1, 0.1), (64, 0.1)), 0.0, 0.01)  # a flat forward; catch-up 10 ms per token
+    # A flat forward; catch-up 10 ms per token
+    engine.cost = CostModel.from_points({1: 0.1, 64: 0.1}, 64, catch_up_token_seconds=0.01)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for text in ("def add(a, b):", "The quick brown fox"):
         engine.add(llm.new_sequence(text, params))
     engine.step()
-    for r in engine.running:
-        r.proposer.catch_up_tokens = lambda view: 0
-    assert max(engine._choose_ks()) > 0
-    for r in engine.running:
-        r.proposer.catch_up_tokens = lambda view: 10_000  # e.g. a draft model's prefill of a huge prompt
-    assert engine._choose_ks() == [0, 0]
+    tokens = {"n": 0}
+    catch_up = dataclasses.replace(engine.proposer.capabilities, catch_up=True)  # as a draft model declares it
+    engine.proposer.capabilities = catch_up
+    engine.proposer.catch_up_tokens = lambda key, view: tokens["n"]
+    assert max(engine._schedule().ks) > 0
+    tokens["n"] = 10_000  # e.g. a draft model's prefill of a huge prompt
+    assert engine._schedule().ks == [0, 0]
     # A catch-up that pays when spread over the next steps does not during a dip in the load (the batch
     # held 4 rows a moment ago: the rows about to join would cap drafting again).
-    for r in engine.running:
-        r.proposer.catch_up_tokens = lambda view: 50
+    tokens["n"] = 50
     engine._recent_rows.clear()
-    engine._recent_rows.append(2)
-    assert max(engine._choose_ks()) > 0
+    assert max(engine._schedule().ks) > 0
     engine._recent_rows.append(4)
-    assert engine._choose_ks() == [0, 0]
+    assert engine._schedule().ks == [0, 0]
 
 
 def test_draft_proposer_reports_its_catch_up(tiny_llama_dir) -> None:
     from specdecode import LLM
-    from specdecode.engine.batch import BatchCost  # noqa: F401 - the field this feeds
 
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "draft", "model": str(tiny_llama_dir)})
     engine = llm.batch_engine(max_num_seqs=2)
+    assert engine.proposer is not None and engine.proposer.capabilities.catch_up
     assert engine.cost is not None and engine.cost.catch_up_token_seconds > 0  # measured on a probe proposer

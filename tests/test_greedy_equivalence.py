@@ -11,13 +11,14 @@ docs/design.md. Every proposer (draft model, n-gram) and three drafters:
 
 for fixed k = 1..8 and "auto", on tiny random Llama/Qwen2 models and (marker `real`) on
 SmolLM2-135M. Each LLM is built once per module; drafters are swapped through
-``llm.decoder.proposer`` and the draft length through ``llm.decoder.fixed_k`` / ``k_max``.
+``llm.engine.set_proposer`` (a factory of per-request drafters) and the draft length through
+``llm.engine.fixed_k`` / ``k_max``. Prompts given together run as one batch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,10 @@ from specdecode.engine.adaptive import CostModel
 from specdecode.model.config import ModelConfig
 from specdecode.model.load import load_model
 from specdecode.model.transformer import Transformer
-from specdecode.proposers.base import Draft, SequenceView
+from specdecode.proposers.base import Draft, ProposerDefaults, SequenceView
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.ngram import NgramProposer
+from specdecode.proposers.rows import RowProposers
 
 KS = [1, 2, 3, 4, 5, 6, 7, 8]
 KS_AUTO: list[int | str] = [*KS, "auto"]
@@ -56,7 +58,7 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-class OracleProposer:
+class OracleProposer(ProposerDefaults):
     """Drafts the target's true greedy continuation, with draft position ``corrupt_at`` wrong.
 
     ``references`` maps prompt ids to the plain greedy output for them. Records every draft so
@@ -79,7 +81,7 @@ class OracleProposer:
         self.draft_lens = []
         self.verified = []
 
-    def propose(self, seq: SequenceView, k: int) -> Draft:
+    def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
         done = len(seq.token_ids) - seq.prompt_len
         # The engine must never have emitted anything but the true greedy tokens.
         assert seq.token_ids[seq.prompt_len :] == self.ref[:done]
@@ -90,11 +92,8 @@ class OracleProposer:
         self.draft_lens.append(len(tokens))
         return Draft(tokens)
 
-    def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
+    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
         self.verified.append(num_accepted)
-
-    def step_cost_hint(self) -> float:
-        return 0.0
 
     def expected_accepted(self) -> list[int]:
         j = self.corrupt_at
@@ -102,14 +101,16 @@ class OracleProposer:
 
 
 def use(llm: LLM, proposer: Any, k: int | str) -> None:
-    """Swap the drafter and the draft length of an LLM built with a speculative config."""
-    dec = llm.decoder
-    dec.proposer = proposer
+    """Swap the drafter (a proposer, or a factory of per-request proposers) and the draft length of an LLM
+    built with a speculative config."""
+    engine = llm.engine
     if k == "auto":
-        assert dec.cost is not None, "build the LLM with num_speculative_tokens='auto' so the cost is measured"
-        dec.fixed_k, dec.k_max = None, 8
+        assert engine.cost is not None, "build the LLM with num_speculative_tokens='auto' so the cost is measured"
+        engine.fixed_k, engine.k_max = None, 8
     else:
-        dec.fixed_k, dec.k_max = int(k), int(k)
+        engine.fixed_k, engine.k_max = int(k), int(k)
+    factory = proposer if callable(proposer) else (lambda: proposer)
+    engine.set_proposer(RowProposers(factory))
 
 
 def assert_metrics_consistent(m: dict[str, Any], max_tokens: int) -> None:
@@ -124,8 +125,8 @@ def assert_metrics_consistent(m: dict[str, Any], max_tokens: int) -> None:
 class Env:
     plain: LLM
     spec: LLM
-    same: DraftModelProposer
-    random: DraftModelProposer
+    same: Callable[[], DraftModelProposer]
+    random: Callable[[], DraftModelProposer]
     refs: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -152,9 +153,9 @@ def tiny(request: pytest.FixtureRequest) -> Iterator[Env]:
     plain = LLM(str(path), dtype="fp32", device="cpu")
     spec = LLM(str(path), dtype="fp32", device="cpu", speculative_config={
         "method": "draft", "model": str(path), "num_speculative_tokens": "auto", "draft_dtype": "fp32"})
-    assert isinstance(spec.decoder.proposer, DraftModelProposer)
-    rand = DraftModelProposer(load_model(other, "fp32", "cpu").model, spec.max_model_len)
-    env = Env(plain, spec, spec.decoder.proposer, rand)
+    assert spec.proposer_factory is not None and isinstance(spec.proposer_factory(), DraftModelProposer)
+    other_model = load_model(other, "fp32", "cpu").model
+    env = Env(plain, spec, spec.proposer_factory, lambda: DraftModelProposer(other_model, spec.max_model_len))
     for p in TINY_PROMPTS:
         env.reference(p)
     yield env
@@ -236,8 +237,8 @@ def test_tiny_oracle_auto_k(tiny: Env, j: int | None) -> None:
     oracle = OracleProposer(tiny.refs, tiny.vocab_size, corrupt_at=j)
     use(tiny.spec, oracle, "auto")
     # A known cost model (verifying 9 tokens costs little more than 1) keeps k > 0 when acceptance is good.
-    measured = tiny.spec.decoder.cost
-    tiny.spec.decoder.cost = CostModel.from_points({1: 0.010, 9: 0.012}, 9)
+    measured = tiny.spec.engine.cost
+    tiny.spec.engine.cost = CostModel.from_points({1: 0.010, 9: 0.012}, 9)
     try:
         for prompt in TINY_PROMPTS:
             out = tiny.spec.generate(prompt, greedy())[0]
@@ -247,7 +248,7 @@ def test_tiny_oracle_auto_k(tiny: Env, j: int | None) -> None:
             if j is None:
                 assert out.metrics["mean_accepted_length"] > 3
     finally:
-        tiny.spec.decoder.cost = measured
+        tiny.spec.engine.cost = measured
 
 
 def test_tiny_public_api_random_draft_and_ngram(tiny_llama_dir: Path, tiny_llama_other_dir: Path) -> None:
@@ -293,9 +294,9 @@ def smol() -> Iterator[Env]:
     # n-gram LLM (no second copy of the weights); the draft-model drafters share the target's weights.
     spec = LLM(SMOL, dtype="fp32", device="cpu", max_model_len=256,
                speculative_config={"method": "ngram", "num_speculative_tokens": "auto"})
-    same = DraftModelProposer(spec.target.model, spec.max_model_len)
-    rand = DraftModelProposer(random_same_vocab_model(spec.target.config), spec.max_model_len)
-    env = Env(plain, spec, same, rand)
+    rand_model = random_same_vocab_model(spec.target.config)
+    env = Env(plain, spec, lambda: DraftModelProposer(spec.target.model, spec.max_model_len),
+              lambda: DraftModelProposer(rand_model, spec.max_model_len))
     outs = plain.generate(SMOL_PROMPTS, greedy(SMOL_TOKENS))
     for p, o in zip(SMOL_PROMPTS, outs, strict=True):
         env.refs[tuple(env.prompt_ids(p))] = o.token_ids

@@ -261,15 +261,15 @@ def test_random_head_greedy_equals_plain_smollm(tmp_path: Path, kind: str) -> No
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_heads_in_continuous_batching_keep_greedy_output(plain_tiny, tiny_llama_dir: Path, random_heads,
                                                          kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The batch engine feeds every row's proposer the target's features (chain drafts there, without the
-    lookup branch the single-sequence decoder grafts onto trees: here a guess is always found)."""
+    """The engine feeds every row's proposer the target's features; rows draft trees, with the lookup branch
+    grafted onto them (here a guess is always found)."""
     monkeypatch.setattr("specdecode.proposers.tree_growth.ngram_match", lambda tokens, lo, hi, k: [5, 6, 7][:k])
     base, ref = plain_tiny
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": kind, "model": str(random_heads[kind]), "num_speculative_tokens": 3})
     seqs = run_batched(llm, tiny_prompts(base), GREEDY)
     assert [s.output_ids for s in seqs] == ref
-    assert all(0 < s.stats.draft_tokens <= 3 * s.stats.steps for s in seqs)
+    assert all(s.stats.draft_tokens > sum(s.stats.drafted_by_position) for s in seqs)  # trees: nodes > positions
 
 
 def test_self_distilled_answers_are_cached_and_resumed(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -197,8 +197,10 @@ def test_real_eos_inside_block() -> None:
     spec = LLM("smollm2-135m-instruct", dtype="fp32", device="cpu", max_model_len=256,
                speculative_config={"method": "ngram", "num_speculative_tokens": K})
     from specdecode.proposers.draft_model import DraftModelProposer
+    from specdecode.proposers.rows import RowProposers
 
-    spec.decoder.proposer = DraftModelProposer(spec.target.model, spec.max_model_len)  # same weights
+    # same weights
+    spec.engine.set_proposer(RowProposers(lambda: DraftModelProposer(spec.target.model, spec.max_model_len)))
     b = spec.chat(msgs, p)[0]
     assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
     assert b.token_ids.count(eos) == 1

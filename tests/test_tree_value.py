@@ -92,8 +92,8 @@ def test_grow_tree_select_cuts_the_grown_tree():
 
 
 def test_the_engine_feeds_a_tree_proposers_calibration(plain_tiny, tiny_llama_dir) -> None:
-    """The decoder gives a dynamic-tree proposer its TreeValue, resets it per request and reports every step."""
-    from tiny_helpers import GREEDY, tiny_prompts
+    """The engine configures a dynamic-tree proposer (its TreeValue) with its cost and reports every step."""
+    from tiny_helpers import GREEDY, record_proposers, tiny_prompts
 
     from specdecode import LLM
 
@@ -101,8 +101,9 @@ def test_the_engine_feeds_a_tree_proposers_calibration(plain_tiny, tiny_llama_di
     # adaptive k (no num_speculative_tokens): the engine measures its costs, and so sets the TreeValue
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": "draft", "model": str(tiny_llama_dir), "draft_tree_width": 0})
-    value = llm.decoder.proposer.tree_value
-    assert value is not None
+    made = record_proposers(llm)
     outs = llm.generate(tiny_prompts(base)[:1], GREEDY)
+    value = made[-1].tree_value
+    assert value is not None
     assert outs[0].token_ids == ref[0]
     assert value.predicted > 0 and value.accepted > 0  # the draft is the target itself: trees get accepted

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from specdecode import LLM
+from specdecode.engine.schedule import node_budget
 from specdecode.proposers.tree_growth import MIN_DYNAMIC_WIDTH, TreeLevel, grow_tree, level_width, priced_nodes
 from specdecode.tree.buffers import MAX_TREE_NODES
 
@@ -53,7 +54,10 @@ def test_flat_verify_cost_sizes_the_tree_as_on_a_gpu(tiny_llama_dir: Path, tiny_
     """--flat-verify-cost (bench): every forward priced as one token, so a dynamic tree gets the whole budget."""
     spec = {"method": "draft", "model": str(tiny_llama_other_dir), "draft_tree_width": 0}
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
-    cost = llm.decoder.measure_cost(repeats=1, flat=True)
+    cost = llm.measure_cost(llm.engine.proposer, 1, flat=True)
     assert len(set(cost.target_seconds)) == 1 and len(cost.target_seconds) == MAX_TREE_NODES + 1
-    assert llm.decoder.proposer.node_budget == MAX_TREE_NODES
-    assert cost.tree_nodes[-1] == MAX_TREE_NODES  # the deepest tree is charged its full budget, at no extra cost
+    llm.engine.cost = cost
+    assert node_budget(cost, llm.engine.k_max, 1) == MAX_TREE_NODES
+    assert node_budget(cost, llm.engine.k_max, 8) == MAX_TREE_NODES  # flat: a batch affords it as well
+    row_cost = llm.engine.row_cost
+    assert row_cost is not None and row_cost.tree_nodes[-1] == MAX_TREE_NODES  # charged its full budget

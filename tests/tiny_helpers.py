@@ -48,3 +48,20 @@ def copy_with_vocab_rows(src: Path, dst: Path, extra: int, head_fill: float = 0.
                 tensors[name] = torch.cat([w[: w.shape[0] + min(extra, 0)], pad])
         save_file(tensors, str(f), metadata={"format": "pt"})
     return dst
+
+
+def record_proposers(llm: LLM) -> list:
+    """Make `llm.generate` draft with proposers from the LLM's own factory, and return the list every new one
+    is appended to (to inspect a request's drafting state after it finished)."""
+    from specdecode.proposers.rows import RowProposers
+
+    made: list = []
+    factory = llm.proposer_factory
+    assert factory is not None
+
+    def make():  # noqa: ANN202
+        made.append(factory())
+        return made[-1]
+
+    llm.engine.set_proposer(RowProposers(make))
+    return made

@@ -198,26 +198,11 @@ def _base_record(method: str, kind: str, prompt: BenchPrompt, ids: list[int], ou
 
 
 def _generate_ours(llm: Any, ids: list[int], params: Any) -> tuple[Any, list[int] | None, list[int] | None]:
-    """One request through our engine: (RequestOutput, accepted_by_position, drafted_by_position).
-
-    Per-position *counts* are read from the sequence's stats (the public metrics hold the
-    per-position fractions only); if that internal path is missing, the counts are None.
-    """
-    metrics_counts = None
-    new_seq = getattr(llm, "new_sequence", None)
-    decoder = getattr(llm, "decoder", None)
-    if new_seq is not None and decoder is not None:
-        seq = decoder.generate(new_seq(ids, params))
-        st = getattr(seq, "stats", None)
-        out = seq.to_output()
-        if st is not None and hasattr(st, "accepted_by_position"):
-            return out, list(st.accepted_by_position), list(st.drafted_by_position)
-    else:
-        out = llm.generate([ids], params)[0]
-    m = out.metrics
-    if "accepted_by_position" in m and "drafted_by_position" in m:
-        metrics_counts = (list(m["accepted_by_position"]), list(m["drafted_by_position"]))
-    return out, *(metrics_counts or (None, None))
+    """One request through the engine core that also serves (`LLM.run_sequences`, a batch of one):
+    (RequestOutput, accepted_by_position, drafted_by_position), the per-position *counts* read from the
+    sequence's stats (the public metrics hold the per-position fractions only)."""
+    seq = llm.run_sequences([llm.new_sequence(ids, params)])[0]
+    return seq.to_output(), list(seq.stats.accepted_by_position), list(seq.stats.drafted_by_position)
 
 
 def _engine_memory(llm: Any) -> dict[str, int]:
@@ -228,11 +213,12 @@ def _engine_memory(llm: Any) -> dict[str, int]:
         extra += module_bytes(llm.draft.model)
     if llm.head is not None:
         extra += module_bytes(llm.head)
-    proposer = llm.decoder.proposer
-    for name in ("cache", "features"):
-        buf = getattr(proposer, name, None)
-        if buf is not None:
-            extra += buf.nbytes() if hasattr(buf, "nbytes") and callable(buf.nbytes) else buf.nbytes
+    if llm.proposer_factory is not None:  # one request's drafting state (draft KV cache, head features)
+        proposer = llm.proposer_factory()
+        for name in ("cache", "features"):
+            buf = getattr(proposer, name, None)
+            if buf is not None:
+                extra += buf.nbytes() if hasattr(buf, "nbytes") and callable(buf.nbytes) else buf.nbytes
     return {"target_weight_bytes": module_bytes(llm.target.model), "speculation_bytes": extra}
 
 
@@ -318,8 +304,8 @@ class BenchRun:
                 state.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in self.prompts]
                 state.eos_token_id = llm.tokenizer.eos_token_id
                 state.save()
-            if cfg.flat_verify_cost and llm.decoder.cost is not None:
-                llm.decoder.measure_cost(flat=True)
+            if cfg.flat_verify_cost and llm.cost is not None:
+                llm.cost = llm.engine.cost = llm.measure_cost(llm.engine.proposer, llm.max_num_seqs, flat=True)
                 state.add_note(f"{spec.name}: k and tree sized for a flat verification cost (--flat-verify-cost: "
                                "as on a GPU); τ is that hardware's, tokens/s this machine's")
             memory = _engine_memory(llm)

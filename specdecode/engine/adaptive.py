@@ -9,21 +9,26 @@ useless proposer falls back to plain speed instead of slowing generation down.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Measured cost of one step as a function of the draft length."""
+    """The one cost model of the engine: seconds of a target forward as a function of the tokens it verifies
+    (all rows of the batch together), plus the drafter's costs. A single request's step with draft length k
+    is a forward over its k + 1 tokens (`step_seconds`); a batch step is a forward over every row's tokens
+    (`target_forward_seconds` of the total), which is how trees shrink under load (engine/schedule.py)."""
 
     target_seconds: tuple[float, ...]
-    """[t-1] = seconds of one target forward over t new tokens (t = 1..K+1)."""
+    """[t-1] = seconds of one target forward over t tokens in all (t = 1..T); linear beyond."""
     draft_step_seconds: float = 0.0
     """Seconds per drafted token (one draft-model step); 0 for n-gram."""
     draft_overhead_seconds: float = 0.0
     """Fixed seconds of a step with k > 0 (the draft's catch-up forward over accepted tokens)."""
     tree_nodes: tuple[int, ...] = ()
-    """Tree proposers: [k-1] = draft nodes verified at depth k; empty for a chain (k nodes)."""
+    """Tree proposers: [k-1] = draft nodes verified at depth k by a request alone; empty for a chain."""
+    catch_up_token_seconds: float = 0.0
+    """Seconds per token a drafter spends catching up on context it has not seen (draft-model prefill)."""
 
     def __post_init__(self) -> None:
         if not self.target_seconds:
@@ -44,6 +49,7 @@ class CostModel:
         draft_step_seconds: float = 0.0,
         draft_overhead_seconds: float = 0.0,
         tree_nodes: tuple[int, ...] = (),
+        catch_up_token_seconds: float = 0.0,
     ) -> CostModel:
         """Build the table for t = 1..max_tokens from a few measured forwards ({t: seconds}).
 
@@ -56,7 +62,11 @@ class CostModel:
         table = []
         for t in range(1, max_tokens + 1):
             table.append(_piecewise_linear(ts, [points[x] for x in ts], t))
-        return cls(tuple(table), draft_step_seconds, draft_overhead_seconds, tree_nodes)
+        return cls(tuple(table), draft_step_seconds, draft_overhead_seconds, tree_nodes, catch_up_token_seconds)
+
+    def with_tree_nodes(self, tree_nodes: tuple[int, ...]) -> CostModel:
+        """The same costs with a tree proposer's verified nodes per depth (a request alone)."""
+        return replace(self, tree_nodes=tree_nodes)
 
     def target_forward_seconds(self, t: int) -> float:
         """Seconds of a target forward over t >= 1 new tokens.
@@ -102,10 +112,13 @@ TREE_COST_SLACK = 1.3
 one token (the memory-bound plateau of a bf16 or int8 target)."""
 
 
-def tree_node_budget(cost: CostModel, k_max: int) -> int:
-    """Draft nodes per step that verification affords almost for free; at least k_max (a full chain)."""
-    limit = TREE_COST_SLACK * cost.target_forward_seconds(1)
-    fits = [t - 1 for t in range(1, len(cost.target_seconds) + 1) if cost.target_forward_seconds(t) <= limit]
+def tree_node_budget(cost: CostModel, k_max: int, rows: int = 1, max_nodes: int = 64) -> int:
+    """Draft nodes per row (up to max_nodes) that verification affords almost for free when `rows` rows share
+    the forward: the most n with a forward over rows * (n + 1) tokens within TREE_COST_SLACK of a forward
+    over one token per row; at least k_max (a full chain). Under load the budget falls toward a chain."""
+    rows = max(1, rows)
+    limit = TREE_COST_SLACK * cost.target_forward_seconds(rows)
+    fits = [n for n in range(max_nodes + 1) if cost.target_forward_seconds(rows * (n + 1)) <= limit]
     return max([k_max, *fits])
 
 
@@ -235,6 +248,11 @@ class AdaptiveK:
             self._probing = True
             return 1
         return 0
+
+    @property
+    def probing(self) -> bool:
+        """The last next_k() was a probe (k = 1 after a run of k = 0)."""
+        return self._probing
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """Feed back one step's outcome (the proposer may have drafted fewer than k)."""

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from specdecode.config import SpeculativeConfig
-from specdecode.engine.batch import BatchEngine
-from specdecode.engine.decoder import SpeculativeDecoder
+from specdecode.engine.adaptive import CostModel
+from specdecode.engine.core import Engine
+from specdecode.engine.measure import measure_cost
 from specdecode.engine.sequence import RequestOutput, Sequence
 from specdecode.engine.validation import (
     check_draft_rows,
@@ -38,6 +39,7 @@ from specdecode.proposers.base import Proposer
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.heads import EagleProposer, MedusaProposer
 from specdecode.proposers.ngram import NgramProposer
+from specdecode.proposers.rows import MedusaRows, RowProposers
 from specdecode.sampling import SamplingParams
 from specdecode.tree import MAX_TREE_NODES
 
@@ -65,6 +67,7 @@ class LLM:
             (int8 weights x per-token int8 activations, CPU/FBGEMM), "int4" (opt-in: changes the model;
             speculative decoding stays lossless relative to the quantized target), or "gguf" (a .gguf target's
             own quantized blocks, not dequantized: llama.cpp's model in about the file's memory; CPU).
+        max_num_seqs: requests `generate` runs at once as one batch (more wait for a free row).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         quantization: str = "none",
+        max_num_seqs: int = 8,
     ) -> None:
         self.spec = SpeculativeConfig.from_any(speculative_config)
         self.device = torch.device(device) if device is not None else default_device()
@@ -142,20 +146,42 @@ class LLM:
         elif spec is not None:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
             self.proposer_factory = lambda: NgramProposer(lo, hi)
-        proposer = self.proposer_factory() if self.proposer_factory is not None else None
-        k_max = spec.k_max if spec is not None else 0
-        fixed = None if (spec is None or spec.adaptive) else int(spec.num_speculative_tokens)
-        self.decoder = SpeculativeDecoder(self.target.model, self.max_model_len, proposer, k_max, fixed,
-                                          tree_lookup=lookup)
-        if proposer is not None and fixed is None:
-            with timed_step(logger, "measured the target's forward costs (they choose the draft length)") as step:
-                cost = self.decoder.measure_cost()
-                step["detail"] = f"1-token forward {1000 * cost.target_forward_seconds(1):.1f} ms"
+        self.tree_lookup = lookup
+        self.max_num_seqs = max_num_seqs
+        self.k_max = spec.k_max if spec is not None else 0
+        self.fixed_k = None if (spec is None or spec.adaptive) else int(spec.num_speculative_tokens)
+        proposer = self.new_proposer()
+        self.cost: CostModel | None = None
+        """The measured cost model (adaptive k only): what `generate`'s batches and the server's are sized by."""
+        if proposer is not None and self.fixed_k is None:
+            self.cost = self.measure_cost(proposer, max_num_seqs)
+        self.engine = self._engine(proposer, self.cost, max_num_seqs, None, allocate=False)
+        """The engine of `generate` and `stream` (its cache grows to the rows a call needs)."""
 
-    def batch_engine(self, max_num_seqs: int = 8, max_waiting: int = 64) -> BatchEngine:
-        """A continuous-batching engine over the same weights (for serving); measures its cost at start-up."""
-        k_max = self.spec.k_max if self.spec is not None else 0
-        fixed = None if (self.spec is None or self.spec.adaptive) else int(self.spec.num_speculative_tokens)
+    def new_proposer(self) -> RowProposers | None:
+        """A batch proposer: one drafting state per row (None without speculation)."""
+        if self.proposer_factory is None:
+            return None
+        batch = MedusaRows if isinstance(self.head, MedusaHeads) else RowProposers
+        return batch(self.proposer_factory)
+
+    def measure_cost(self, proposer: RowProposers | None, max_rows: int, flat: bool = False) -> CostModel:
+        """Time the target's forwards (one row up to a whole tree, and batches up to max_rows rows) and the
+        drafter's step, once at start-up."""
+        with timed_step(logger, f"measured the target's forward costs ({max_rows} rows; they size drafts)") as step:
+            cost = measure_cost(self.target.model, proposer, self.k_max, self.max_model_len, max_rows, flat=flat)
+            step["detail"] = f"1-token forward {1000 * cost.target_forward_seconds(1):.1f} ms"
+        return cost
+
+    def _engine(self, proposer: RowProposers | None, cost: CostModel | None, max_num_seqs: int,
+                max_waiting: int | None, allocate: bool) -> Engine:
+        return Engine(self.target.model, self.max_model_len, proposer, self.k_max, self.fixed_k, cost, max_num_seqs,
+                      max_waiting, self.tree_lookup, allocate=allocate)
+
+    def batch_engine(self, max_num_seqs: int = 8, max_waiting: int = 64) -> Engine:
+        """A continuous-batching engine over the same weights, for serving (the one engine core, with its own
+        cache rows allocated now and its own drafting states); measures its cost unless `generate`'s covers
+        as many rows."""
         # Every row's KV cache is allocated up front: refuse now rather than run out of memory under load.
         width = self.dtype.itemsize
         slots = self.max_model_len + MAX_TREE_NODES
@@ -164,11 +190,11 @@ class LLM:
             draft_width = self.draft.model.dtype.itemsize
             parts.append(("draft KV caches", self.draft.config.kv_bytes_per_token(draft_width) * slots * max_num_seqs))
         check_memory(parts, self.device)
-        engine = BatchEngine(self.target.model, self.max_model_len, max_num_seqs, max_waiting,
-                             self.proposer_factory, k_max, fixed)
-        with timed_step(logger, f"measured the batch engine's forward costs ({max_num_seqs} rows)"):
-            engine.measure_cost()
-        return engine
+        proposer = self.new_proposer()
+        cost = self.cost
+        if proposer is not None and (cost is None or max_num_seqs > self.max_num_seqs):
+            cost = self.measure_cost(proposer, max_num_seqs)
+        return self._engine(proposer, cost, max_num_seqs, max_waiting, allocate=True)
 
     def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         """Validate and tokenize one request (raises ValueError on bad input)."""
@@ -195,7 +221,22 @@ class LLM:
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         seqs = [self.new_sequence(p, params) for p in prompts]  # validate all before any compute
-        return [self.decoder.generate(s).to_output() for s in seqs]
+        return [s.to_output() for s in self.run_sequences(seqs)]
+
+    def run_sequences(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Run sequences to completion as one batch (up to max_num_seqs rows at a time)."""
+        engine = self.engine
+        engine.reserve(len(seqs))
+        for s in seqs:
+            engine.add(s)
+        try:
+            while engine.has_work():
+                engine.step()
+        finally:
+            for s in seqs:  # an interrupted call leaves nothing behind for the next one
+                if not s.finished:
+                    engine.abort(s.request_id)
+        return seqs
 
     def chat_prompt_ids(self, messages: Messages) -> list[int]:
         if not messages:
@@ -214,10 +255,18 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[tuple[str, Sequence]]:
         """Yield (new text, sequence) after every step; the text never contains part of a stop string."""
         seq = self.new_sequence(prompt, sampling_params or SamplingParams())
-        for s in self.decoder.iterate(seq):
-            delta = s.take_stream_text()
-            if delta or s.finished:
-                yield delta, s
+        engine = self.engine
+        engine.reserve(1)
+        engine.add(seq)
+        try:
+            while not seq.finished:
+                if seq in engine.step():
+                    delta = seq.take_stream_text()
+                    if delta or seq.finished:
+                        yield delta, seq
+        finally:
+            if not seq.finished:  # the consumer stopped early
+                engine.abort(seq.request_id)
 
 
 def _unwrap_prompt(prompt: dict[str, Any]) -> str | list[int]:

@@ -1,70 +1,33 @@
-"""Turn one sequence's target logits over [pending token] + draft into its output tokens.
+"""Verification of a batch step, pure: the target's logits over every row's tree in, each row's output
+tokens and accepted path out (the randomness comes from each sequence's own generator).
 
-Shared by the single-sequence decoder and the batch engine, so both verify identically.
+A chain is a tree with one branch, so chains and trees, greedy and sampled, take the same path here:
+greedy rows without penalties take the target's argmax (one call for the whole batch); the others
+turn their logits into processed probabilities (every `SamplingParams` processor) and run multi-candidate
+rejection sampling (`verify_tree`), which on a chain is exactly speculative sampling.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
+from specdecode.engine.plan import RowTree, StepPlan
 from specdecode.engine.sequence import Sequence
-from specdecode.model.transformer import Transformer
-from specdecode.proposers.base import Draft, Proposer
-from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
-from specdecode.tree import TreeBuffers
-from specdecode.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
+from specdecode.sampling import draw_uniforms, logits_to_probs, sample_from_probs
+from specdecode.verify import verify_tree, verify_tree_greedy
 
 
-def target_probs_for(seq: Sequence, logits: torch.Tensor, draft_tokens: list[int]) -> torch.Tensor:
-    """Processed target distribution per position; logits [k+1, V] -> probs [k+1, V]."""
-    counts = None
-    if seq.output_counts is not None:
-        # Position i is conditioned on the draft tokens before it, as output.
-        counts = block_output_counts(seq.output_counts, torch.tensor(draft_tokens, dtype=torch.long))
-    return logits_to_probs(logits, seq.params, counts, seq.prompt_mask)
-
-
-def sample_rows(seq: Sequence, logits: torch.Tensor, draft_tokens: list[int]) -> list[int]:
-    """The target's own choice at each row (argmax when greedy), as plain decoding would make it."""
-    params = seq.params
-    if params.greedy and not params.has_penalties:
-        return logits.argmax(-1).tolist()
-    probs = target_probs_for(seq, logits, draft_tokens)
-    if params.greedy:
-        return probs.argmax(-1).tolist()
-    return sample_from_probs(probs, draw_uniforms(probs.shape[0], seq.generator)).tolist()
-
-
-def start_sequence(seq: Sequence, last_logits: torch.Tensor, proposer: Proposer | None, started: float) -> None:
-    """After the prompt's forward: emit the first token, start the proposer, record the prefill.
-
-    last_logits [1, V] are the target's logits at the last prompt position; `started` is when the
-    prefill began (perf_counter), which is also when the request's own timing starts.
-    """
-    first = sample_rows(seq, last_logits, [])[0]
-    if proposer is not None:
-        proposer.begin(seq.view())
-    seq.start_time = started
-    seq.prefill_seconds = time.perf_counter() - started
-    seq.stats.observe(0, 0, 1, 0.0, seq.prefill_seconds)
-    seq.append(first)
-
-
-def verify_draft(seq: Sequence, logits: torch.Tensor, draft: Draft) -> tuple[list[int], int]:
-    """logits [k+1, V] of the target over [pending] + draft -> (output tokens, number accepted)."""
-    draft_t = torch.tensor(draft.tokens, dtype=torch.long)
-    if seq.params.greedy:
-        argmax = torch.tensor(sample_rows(seq, logits, draft.tokens))
-        out, accepted = verify_greedy(draft_t, argmax)
-    else:
-        # The accept loop reads scalars: both distributions go to the CPU (the draft's may be on a GPU).
-        target_probs = target_probs_for(seq, logits, draft.tokens).cpu()  # [k+1, V]
-        draft_probs = None if draft.probs is None else draft.probs.cpu()  # [k, V]
-        u = draw_uniforms(len(draft) + 1, seq.generator)
-        out, accepted = verify_chain(draft_t, draft_probs, target_probs, u[:-1], float(u[-1]))
-    return out.tolist(), accepted
+@dataclass
+class Verified:
+    tokens: list[int]
+    """The accepted draft tokens and the target's own next token (recovered or bonus)."""
+    nodes: list[int]
+    """Accepted node indices in path order (root excluded)."""
+    depth: int
+    """Positions the row offered: its tree's longest path."""
 
 
 def tree_output_counts(base_counts: torch.Tensor, attn_mask: torch.Tensor, node_tokens: torch.Tensor) -> torch.Tensor:
@@ -77,30 +40,57 @@ def tree_output_counts(base_counts: torch.Tensor, attn_mask: torch.Tensor, node_
     return base_counts + (attn_mask.to(device, torch.float32) @ onehot).to(base_counts.dtype)
 
 
-def verify_tree_draft(
-    seq: Sequence, logits: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffers
-) -> tuple[list[int], list[int]]:
-    """logits [n, V] over the tree (node 0 = pending token) -> (output tokens, accepted node indices)."""
+def sample_first(seq: Sequence, last_logits: torch.Tensor) -> int:
+    """The first output token from the logits [1, V] at the prompt's last position, as plain decoding."""
     params = seq.params
-    counts = None
-    if seq.output_counts is not None:
-        counts = tree_output_counts(seq.output_counts, buffers.attn_mask, tokens)
     if params.greedy and not params.has_penalties:
-        nodes, out = verify_tree_greedy(tokens, buffers, logits.argmax(-1))
+        return int(last_logits[0].argmax())
+    probs = logits_to_probs(last_logits, params, seq.output_counts, seq.prompt_mask)
+    if params.greedy:
+        return int(probs[0].argmax())
+    return int(sample_from_probs(probs, draw_uniforms(1, seq.generator))[0])
+
+
+def start_sequence(seq: Sequence, last_logits: torch.Tensor, started: float) -> None:
+    """After the prompt's forward: emit the first token and record the prefill (`started`: perf_counter
+    when it began, which is also when the request's own timing starts)."""
+    first = sample_first(seq, last_logits)
+    seq.start_time = started
+    seq.prefill_seconds = time.perf_counter() - started
+    seq.stats.observe(0, 0, 1, 0.0, seq.prefill_seconds)
+    seq.append(first)
+
+
+def verify_row(seq: Sequence, row: RowTree, plan: StepPlan, i: int, logits: torch.Tensor,
+               argmax: torch.Tensor | None) -> Verified:
+    """Row i of the plan; logits [n, V] over its nodes; argmax [n] when the row is greedy without penalties."""
+    tree = plan.trees[i]
+    tokens = torch.tensor(row.tokens)
+    params = seq.params
+    if argmax is not None:
+        nodes, out = verify_tree_greedy(tokens, tree, argmax)
+        return Verified(out.tolist(), list(nodes), tree.max_depth)
+    counts = None if seq.output_counts is None else tree_output_counts(seq.output_counts, tree.attn_mask, tokens)
+    target_probs = logits_to_probs(logits, params, counts, seq.prompt_mask).cpu()  # [n, V]
+    if params.greedy:
+        nodes, out = verify_tree_greedy(tokens, tree, target_probs.argmax(-1))
     else:
-        target_probs = logits_to_probs(logits, params, counts, seq.prompt_mask).cpu()  # [n, V]
-        if params.greedy:
-            nodes, out = verify_tree_greedy(tokens, buffers, target_probs.argmax(-1))
-        else:
-            u = draw_uniforms(tokens.shape[0] + 1, seq.generator)
-            nodes, out = verify_tree(tokens, buffers, None, target_probs, u)
-    return out.tolist(), list(nodes)
+        n = len(row.tokens)
+        u = draw_uniforms(n, seq.generator)
+        # Node c decides with u[c - 1] and the final token takes u[n - 1]: on a chain these are the
+        # uniforms speculative sampling reads in the same order.
+        u = torch.cat([u[-1:], u[:-1]])
+        probs = None if row.draft_probs is None else row.draft_probs.cpu()
+        nodes, out = verify_tree(tokens, tree, probs, target_probs, u)
+    return Verified(out.tolist(), list(nodes), tree.max_depth)
 
 
-def share_hidden(proposer: Proposer | None, target: Transformer, hidden: torch.Tensor, index: tuple) -> None:
-    """Head proposers (EAGLE, Medusa) read the target's features of the positions just kept: `index` picks
-    them [m, .] from the forward's final-norm output hidden [B, T, D], or from the layers it captured for a
-    fused-feature head (`Transformer.captured` [B, T, k * D])."""
-    if getattr(proposer, "wants_target_hidden", False):
-        source = hidden if target.captured is None else target.captured
-        proposer.observe_hidden(source[index])  # type: ignore[union-attr]
+def verify_rows(seqs: list[Sequence], rows: list[RowTree], plan: StepPlan, logits: torch.Tensor) -> list[Verified]:
+    """logits [N, V] over the plan's real nodes (plan.offsets) -> every row's verdict."""
+    fast = [s.params.greedy and not s.params.has_penalties for s in seqs]
+    argmax = logits.argmax(-1).cpu() if any(fast) else None  # one call for every greedy row
+    out = []
+    for i, (seq, row) in enumerate(zip(seqs, rows, strict=True)):
+        lo, hi = plan.offsets[i], plan.offsets[i + 1]
+        out.append(verify_row(seq, row, plan, i, logits[lo:hi], argmax[lo:hi] if fast[i] else None))
+    return out

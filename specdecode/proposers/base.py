@@ -1,13 +1,22 @@
-"""What every proposer offers the engine: `begin`, `propose`, `on_verified`."""
+"""What every proposer offers the engine: declared capabilities, `configure`, `begin`, `propose`, `on_verified`.
+
+A `Proposer` drafts for one sequence. The engine talks to a `BatchProposer`: one object for every row of the
+batch, whose `propose` is one call for all rows (`RowProposers` in proposers/rows.py builds one from a
+factory of per-sequence proposers). The engine never probes a proposer's attributes: what it may do is
+declared in `Capabilities`, and its costs come from `step_cost_hint` / `catch_up_token_seconds`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from specdecode.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specdecode.engine.adaptive import CostModel
 
 
 @dataclass
@@ -42,17 +51,109 @@ class Draft:
         return len(self.tokens)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a proposer does, declared once (the engine reads nothing else about it)."""
+
+    tree_width: int = 1
+    """Nodes kept per tree level: 1 drafts chains, 0 a tree sized by the node budget, w > 1 a tree of width w."""
+    target_hidden: bool = False
+    """Reads the target's hidden states of the positions the engine keeps (`observe_hidden`)."""
+    catch_up: bool = False
+    """Feeds context it has not seen before drafting (a draft model's prefill), at `catch_up_token_seconds`
+    per token; `catch_up_tokens` says how many."""
+
+    @property
+    def trees(self) -> bool:
+        return self.tree_width != 1
+
+
 class Proposer(Protocol):
+    """One sequence's drafter."""
+
     name: str
+    capabilities: Capabilities
+
+    def configure(self, cost: CostModel) -> None:
+        """The engine's measured cost model (what verifying t tokens costs), once it has one."""
 
     def begin(self, seq: SequenceView) -> None:
         """A new sequence starts (prompt known, nothing generated)."""
 
-    def propose(self, seq: SequenceView, k: int) -> Draft:
-        """Offer up to k draft tokens continuing seq.token_ids."""
+    def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
+        """Offer up to k draft tokens (a tree of depth k, of about node_budget nodes) continuing seq.token_ids."""
 
-    def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
-        """The last draft had num_accepted tokens kept; seq.token_ids already holds the step's output."""
+    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
+        """The last draft had num_accepted tokens kept (own_accepted of them drafted by this proposer, not
+        a grafted lookup guess); seq.token_ids already holds the step's output."""
+
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        """The target's features [m, D] of the next m kept positions (capabilities.target_hidden)."""
+
+    def catch_up_tokens(self, seq: SequenceView) -> int:
+        """Tokens the next propose feeds before drafting (capabilities.catch_up); 0 otherwise."""
 
     def step_cost_hint(self) -> float:
-        """Seconds per drafted token (0 for free proposers); measured at start-up by the engine."""
+        """Seconds per drafted token (0 for free proposers); measured once at start-up."""
+
+    def catch_up_token_seconds(self) -> float:
+        """Seconds per token of a catch-up forward (0 without catch-up); measured with step_cost_hint."""
+
+
+class ProposerDefaults:
+    """No-op defaults of the optional parts of `Proposer` (subclass and override what applies)."""
+
+    capabilities = Capabilities()
+
+    def configure(self, cost: CostModel) -> None:
+        pass
+
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        pass
+
+    def catch_up_tokens(self, seq: SequenceView) -> int:
+        return 0
+
+    def step_cost_hint(self) -> float:
+        return 0.0
+
+    def catch_up_token_seconds(self) -> float:
+        return 0.0
+
+
+@dataclass
+class ProposeRow:
+    """One row's request to the batch proposer in a step."""
+
+    key: int
+    """The row's proposer state (given to `begin`)."""
+    seq: SequenceView
+    k: int
+    """Draft length (tree depth); rows with k = 0 are not passed."""
+    node_budget: int
+    """Tree nodes this row may verify (from the batch's cost; ignored by chain proposers)."""
+
+
+class BatchProposer(Protocol):
+    """The engine's proposer: every row's drafting state, one `propose` call per step for all rows."""
+
+    name: str
+    capabilities: Capabilities
+
+    def configure(self, cost: CostModel) -> None: ...
+
+    def begin(self, key: int, seq: SequenceView) -> None: ...
+
+    def release(self, key: int) -> None: ...
+
+    def propose(self, rows: list[ProposeRow]) -> list[Draft]: ...
+
+    def observe_hidden(self, key: int, hidden: torch.Tensor) -> None: ...
+
+    def on_verified(self, key: int, seq: SequenceView, num_accepted: int, own_accepted: int) -> None: ...
+
+    def catch_up_tokens(self, key: int, seq: SequenceView) -> int: ...
+
+    def step_cost_hint(self) -> float: ...
+
+    def catch_up_token_seconds(self) -> float: ...

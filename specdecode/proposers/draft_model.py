@@ -12,9 +12,10 @@ from collections.abc import Callable
 
 import torch
 
+from specdecode.engine.adaptive import CostModel
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
-from specdecode.proposers.base import Draft, SequenceView
+from specdecode.proposers.base import Capabilities, Draft, ProposerDefaults, SequenceView
 from specdecode.proposers.lookup_choice import AcceptanceRate, guess_beats_draft
 from specdecode.proposers.ngram_match import ngram_match
 from specdecode.proposers.tree_growth import (
@@ -28,7 +29,7 @@ from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_pr
 from specdecode.tree import MAX_TREE_NODES
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerDefaults):
     name = "draft"
 
     def __init__(
@@ -50,7 +51,7 @@ class DraftModelProposer:
         `_propose_chain`), or None for one draft forward per token. (Trees get the guess as one more branch
         from the decoder.)"""
         self.target_seconds: Callable[[int], float] | None = None
-        """Set by the engine once it measured its forwards: seconds of a target forward over t tokens. With
+        """Set by `configure` from the engine's measured forwards: seconds of a target forward over t tokens. With
         it (and `prompt_lookup`), a step whose guess promises more tokens per second than drafting
         proposes the guess alone and skips the draft model (`guess_beats_draft`)."""
         self.guess_rate = AcceptanceRate()
@@ -64,12 +65,10 @@ class DraftModelProposer:
         self.forwards = 0
         """Draft forwards so far (tests: what the guesses saved)."""
         self.tree_width = tree_width
-        """Nodes kept per tree level (1 = a chain, 0 = node_budget / depth)."""
-        self.node_budget = DEFAULT_NODE_BUDGET
-        """Tree nodes per step when the width is dynamic (set from the engine's cost model)."""
+        """Nodes kept per tree level (1 = a chain, 0 = node budget / depth)."""
+        self.capabilities = Capabilities(tree_width=tree_width, catch_up=True)
         self.tree_value: TreeValue | None = None
-        """Set by the engine once it measured its forwards (which also resets and feeds it per request):
-        how much of a grown tree gets verified."""
+        """Set by `configure` (fed by `on_verified`): how much of a grown tree gets verified."""
         self.tree_branching = tree_branching
         """Candidates (top-b draft tokens) expanded per kept node."""
         self._cache: KVCache | None = None
@@ -78,6 +77,11 @@ class DraftModelProposer:
         """Tokens of the sequence whose K/V are valid in our cache (slots [0, num_cached))."""
         self._cost = 0.0
         self._catch_up_cost = 0.0
+
+    def configure(self, cost: CostModel) -> None:
+        self.target_seconds = cost.target_forward_seconds
+        if self.capabilities.trees:
+            self.tree_value = TreeValue(cost.target_forward_seconds)
 
     def begin(self, seq: SequenceView) -> None:
         # Nothing is fed yet: the first `propose` catches the cache up on the prompt (and anything
@@ -88,6 +92,8 @@ class DraftModelProposer:
         self.num_cached = 0
         self.guess_rate.reset()
         self.draft_rate.reset()
+        if self.tree_value is not None:
+            self.tree_value.reset()
 
     @property
     def cache(self) -> KVCache:
@@ -132,12 +138,12 @@ class DraftModelProposer:
         out[..., :real] = logits[..., :real]
         return out
 
-    def propose(self, seq: SequenceView, k: int) -> Draft:
+    def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
         self._guessed, self._proposed = False, 0
         if k <= 0:
             return Draft()
         if self.tree_width != 1:
-            return self._propose_tree(seq, k)
+            return self._propose_tree(seq, k, DEFAULT_NODE_BUDGET if node_budget is None else node_budget)
         if self.prompt_lookup and self.target_seconds is not None and seq.output_counts is None:
             guess = ngram_match(seq.token_ids, *self.prompt_lookup, k)
             if guess_beats_draft(len(guess), k, self.guess_rate.value, self.draft_rate.value, self.target_seconds,
@@ -209,7 +215,9 @@ class DraftModelProposer:
             self.cache.set_length(0, self.num_cached)
         return Draft(tokens, torch.stack(probs_rows) if stochastic else None)
 
-    def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
+    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
+        if self.tree_value is not None and own_accepted is not None:
+            self.tree_value.observe(own_accepted)
         if self._proposed:  # a chain (trees and k = 0 steps say nothing about either rate)
             (self.guess_rate if self._guessed else self.draft_rate).observe(self._proposed, num_accepted)
         # Our cache holds the prefix plus the first k-1 draft tokens; keep only accepted ones.
@@ -248,12 +256,12 @@ class DraftModelProposer:
         lag = len(seq.token_ids) - self.num_cached
         return 0 if lag <= 1 else lag
 
-    @property
     def catch_up_token_seconds(self) -> float:
         """Seconds per token of a catch-up forward (measured with step_cost_hint)."""
+        self.step_cost_hint()
         return self._catch_up_cost
 
-    def _propose_tree(self, seq: SequenceView, depth: int) -> Draft:
+    def _propose_tree(self, seq: SequenceView, depth: int, node_budget: int) -> Draft:
         """A tree grown by `grow_tree`, each level fed through the draft with tree attention. Children are
         deterministic and distinct: point masses to the verifier."""
         logits = self._feed(seq.token_ids[self.num_cached :])
@@ -266,9 +274,10 @@ class DraftModelProposer:
                                 slots=level.slots[None].to(dev), attn_mask=level.mask[None].to(dev))
             return self._logits(hidden[0])  # [m, V]
 
-        width = level_width(self.tree_width, self.node_budget, depth)
+        width = level_width(self.tree_width, node_budget, depth)
         draft = grow_tree(logits, depth, width, self.tree_branching, base, expand,
-                          select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint()))
+                          select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint(),
+                                              node_budget))
         # Tree entries past the prefix are scratch: the next propose re-feeds what was accepted.
         self.cache.set_length(0, base)
         return draft

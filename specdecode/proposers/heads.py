@@ -11,8 +11,9 @@ import time
 
 import torch
 
+from specdecode.engine.adaptive import CostModel
 from specdecode.heads.modules import EagleHead, MedusaHeads
-from specdecode.proposers.base import Draft, SequenceView
+from specdecode.proposers.base import Capabilities, Draft, ProposerDefaults, SequenceView
 from specdecode.proposers.head_columns import HeadColumns
 from specdecode.proposers.tree_growth import (
     DEFAULT_NODE_BUDGET,
@@ -24,13 +25,12 @@ from specdecode.proposers.tree_value import TreeValue, node_selector
 from specdecode.tree import MAX_TREE_NODES
 
 
-class EagleProposer:
+class EagleProposer(ProposerDefaults):
     """EAGLE-2 style: the head runs on (feature, next token) pairs; its cache holds pair j at slot j.
     A tree is grown from the head's own predicted features; the next step re-feeds the accepted path
     with the target's true features."""
 
     name = "eagle"
-    wants_target_hidden = True
 
     def __init__(self, head: EagleHead, max_len: int, tree_width: int = 0, tree_branching: int = 4,
                  prompt_columns: bool = True) -> None:
@@ -40,10 +40,9 @@ class EagleProposer:
         """Nodes kept per level; 0 = node_budget / depth."""
         self.tree_branching = tree_branching
         """Top-b expansion per node; 4 = SpeculativeConfig.tree_branching's default for "eagle"."""
-        self.node_budget = DEFAULT_NODE_BUDGET
+        self.capabilities = Capabilities(tree_width=tree_width, target_hidden=True)
         self.tree_value: TreeValue | None = None
-        """Set by the engine once it measured its forwards (which also resets and feeds it per request):
-        how much of a grown tree gets verified."""
+        """Set by `configure` (fed by `on_verified`): how much of a grown tree gets verified."""
         size = max_len + MAX_TREE_NODES
         self.cache = head.new_cache(size)
         self.features = torch.zeros(size, head.config.hidden_size, dtype=head.dtype, device=head.device)
@@ -53,7 +52,13 @@ class EagleProposer:
         """Pairs [0, num_cached) in the head's cache (pair j = feature j + token j+1)."""
         self._cost = 0.0
 
+    def configure(self, cost: CostModel) -> None:
+        if self.capabilities.trees:
+            self.tree_value = TreeValue(cost.target_forward_seconds)
+
     def begin(self, seq: SequenceView) -> None:
+        if self.tree_value is not None:
+            self.tree_value.reset()
         self.cache.reset()
         self.num_features = 0
         self.num_cached = 0
@@ -84,7 +89,7 @@ class EagleProposer:
         return out[0, -1]
 
     @torch.inference_mode()
-    def propose(self, seq: SequenceView, k: int) -> Draft:
+    def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
         if k <= 0:
             return Draft()
         head = self.head
@@ -101,14 +106,17 @@ class EagleProposer:
                 node_features[idx] = out[row]
             return self.columns.logits(out)  # [m, Vd + extra columns]
 
-        width = level_width(self.tree_width, self.node_budget, k)
+        width = level_width(self.tree_width, DEFAULT_NODE_BUDGET if node_budget is None else node_budget, k)
         draft = grow_tree(self.columns.logits(root), k, width, self.tree_branching, base, expand,
                           token_map=self.columns.token_map,
-                          select=node_selector(self.tree_value, self.tree_width, lambda: k * self.step_cost_hint()))
+                          select=node_selector(self.tree_value, self.tree_width, lambda: k * self.step_cost_hint(),
+                                                node_budget))
         self.cache.set_length(0, base)  # tree entries are scratch
         return draft
 
-    def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
+    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
+        if self.tree_value is not None and own_accepted is not None:
+            self.tree_value.observe(own_accepted)
         # Cached pairs used true features only; the accepted path is re-fed with its true features.
         self.num_cached = min(self.num_cached, self.num_features)
 
@@ -129,12 +137,11 @@ class EagleProposer:
         return self._cost
 
 
-class MedusaProposer:
+class MedusaProposer(ProposerDefaults):
     """Medusa: every head reads the target's feature at the newest kept position; head i offers its
     top tokens for depth i + 1. The tree keeps the candidates of highest joint head confidence."""
 
     name = "medusa"
-    wants_target_hidden = True
 
     def __init__(self, head: MedusaHeads, tree_width: int = 0, tree_branching: int = 2,
                  prompt_columns: bool = True) -> None:
@@ -142,12 +149,18 @@ class MedusaProposer:
         self.columns = HeadColumns(head, prompt_columns)
         self.tree_width = tree_width
         self.tree_branching = tree_branching
-        self.node_budget = DEFAULT_NODE_BUDGET
+        self.capabilities = Capabilities(tree_width=tree_width, target_hidden=True)
         self.tree_value: TreeValue | None = None
         self.last: torch.Tensor | None = None  # [D] target feature at position n-2
         self._cost = 0.0
 
+    def configure(self, cost: CostModel) -> None:
+        if self.capabilities.trees:
+            self.tree_value = TreeValue(cost.target_forward_seconds)
+
     def begin(self, seq: SequenceView) -> None:
+        if self.tree_value is not None:
+            self.tree_value.reset()
         self.last = None
         self.columns.begin(seq.token_ids[: seq.prompt_len])
 
@@ -155,21 +168,29 @@ class MedusaProposer:
         self.last = hidden[-1]
 
     @torch.inference_mode()
-    def propose(self, seq: SequenceView, k: int) -> Draft:
+    def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
         if k <= 0 or self.last is None:
             return Draft()
+        return self.propose_from(self.head(self.last), k, node_budget)
+
+    @torch.inference_mode()
+    def propose_from(self, features: torch.Tensor, k: int, node_budget: int | None = None) -> Draft:
+        """The tree from the heads' features [K, D] at the newest kept position (`MedusaRows` computes them for
+        every row in one head forward)."""
         depth = min(k, len(self.head.blocks))
-        logits = self.columns.logits(self.head(self.last)[:depth])  # [depth, Vd + extra columns]
+        logits = self.columns.logits(features[:depth])  # [depth, Vd + extra columns]
 
         def expand(level: TreeLevel) -> torch.Tensor:
             return logits[level.level + 1].expand(len(level.nodes), -1)
 
-        width = level_width(self.tree_width, self.node_budget, depth)
+        width = level_width(self.tree_width, DEFAULT_NODE_BUDGET if node_budget is None else node_budget, depth)
         return grow_tree(logits[0], depth, width, self.tree_branching, 1, expand, token_map=self.columns.token_map,
-                         select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint()))
+                         select=node_selector(self.tree_value, self.tree_width, lambda: depth * self.step_cost_hint(),
+                                              node_budget))
 
-    def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
-        pass
+    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
+        if self.tree_value is not None and own_accepted is not None:
+            self.tree_value.observe(own_accepted)
 
     def step_cost_hint(self) -> float:
         if self._cost == 0.0:

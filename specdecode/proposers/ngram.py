@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from specdecode.proposers.base import Draft, SequenceView
+from specdecode.proposers.base import Draft, ProposerDefaults, SequenceView
 from specdecode.proposers.ngram_match import ngram_match
 
 
-class NgramProposer:
+class NgramProposer(ProposerDefaults):
     name = "ngram"
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> None:
@@ -19,11 +19,8 @@ class NgramProposer:
     def begin(self, seq: SequenceView) -> None:
         pass
 
-    def propose(self, seq: SequenceView, k: int) -> Draft:
+    def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
         return Draft(ngram_match(seq.token_ids, self.min_n, self.max_n, k))
 
-    def on_verified(self, seq: SequenceView, num_accepted: int) -> None:
+    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
         pass
-
-    def step_cost_hint(self) -> float:
-        return 0.0

@@ -70,11 +70,17 @@ class TreeValue:
         self._pending = None
 
 
-def node_selector(value: TreeValue | None, tree_width: int,
-                  draft_seconds: Callable[[], float]) -> Callable[[list[float]], int] | None:
+def node_selector(value: TreeValue | None, tree_width: int, draft_seconds: Callable[[], float],
+                  node_budget: int | None = None) -> Callable[[list[float]], int] | None:
     """`grow_tree`'s select for a proposer whose drafting costs `draft_seconds()` (from its measured step
     cost, not a clock: the same seed must give the same tree); None for a chain, or before the engine
-    has measured its forward costs (and with them the proposer's step cost)."""
-    if value is None or tree_width == 1:
+    has measured its forward costs (and with them the proposer's step cost). A dynamic-width tree
+    (tree_width 0) keeps at most `node_budget` nodes: the engine's share of the batch forward for its row."""
+    if tree_width == 1:
         return None
-    return lambda probs: value.keep(probs, draft_seconds())
+    cap = node_budget if (tree_width == 0 and node_budget is not None) else None
+    if value is None:
+        return None if cap is None else (lambda probs: min(len(probs), cap))
+    if cap is None:
+        return lambda probs: value.keep(probs, draft_seconds())
+    return lambda probs: value.keep(probs[:cap], draft_seconds())

@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specdecode.engine.batch import BatchEngine, QueueFullError
+from specdecode.engine.core import Engine as BatchEngine
+from specdecode.engine.core import QueueFullError
 from specdecode.engine.llm import LLM
 from specdecode.engine.sequence import Sequence
 from specdecode.sampling import SamplingParams

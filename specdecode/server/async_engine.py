@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdecode.engine.batch import BatchEngine
+from specdecode.engine.core import Engine as BatchEngine
 from specdecode.engine.sequence import Sequence
 from specdecode.metrics import SpecStats
 from specdecode.server.metrics import ServerMetrics, snapshot

@@ -1,0 +1,336 @@
+"""The engine core: continuous batching with speculation; every caller's requests are rows of one batch.
+
+`LLM.generate` (all prompts at once), `LLM.stream`, the server and `specdecode bench` all run requests
+here, and a single request is a batch of one. A step is a sequence of named phases:
+
+    schedule -> propose -> plan -> target forward -> verify -> commit -> observe/adapt
+
+Running sequences occupy cache rows 0..n-1 (a finished one's row is refilled by moving the last row into
+it), so a step runs the target over a contiguous view of the cache. Every row's draft is a tree (a chain
+is a tree with one branch), verified in one target forward over all rows with per-row tree attention;
+the accepted path's K/V is then compacted behind the row's prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.engine.adaptive import AdaptiveK, CostModel
+from specdecode.engine.plan import RowTree, StepPlan, build_plan
+from specdecode.engine.schedule import Lengths, RowWant, choose_lengths, node_budget
+from specdecode.engine.sequence import Sequence
+from specdecode.engine.step_verify import Verified, start_sequence, verify_rows
+from specdecode.model.kv_cache import KVCache
+from specdecode.model.transformer import Transformer
+from specdecode.proposers.base import BatchProposer, Draft, ProposeRow
+from specdecode.proposers.ngram_match import cap_draft_len
+from specdecode.proposers.tree_growth import priced_nodes, with_lookup_branch
+from specdecode.tree import MAX_TREE_NODES
+
+STEP_LOG = os.environ.get("SPECDECODE_STEP_LOG")
+"""A file to append one JSON line per batch step to (rows, chosen k, draft and step seconds)."""
+CATCH_UP_HORIZON_STEPS = 16
+"""Steps over which a draft's catch-up forward is amortised when deciding whether a row drafts."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than the engine accepts; retry later."""
+
+
+@dataclass
+class Running:
+    seq: Sequence
+    key: int
+    """The row's drafting state in the batch proposer."""
+    policy: AdaptiveK | None
+    """None: the row never drafts (no proposer, or the request asked for k = 0)."""
+    k_override: int | None = None
+
+
+class Engine:
+    """Owns the target's KV cache: the only place that changes its lengths."""
+
+    def __init__(self, target: Transformer, max_len: int, proposer: BatchProposer | None = None, k_max: int = 0,
+                 fixed_k: int | None = None, cost: CostModel | None = None, max_num_seqs: int = 8,
+                 max_waiting: int | None = 64, tree_lookup: tuple[int, int] | None = None,
+                 allocate: bool = True) -> None:
+        self.target = target
+        self.max_len = max_len
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        """None: no bound (`LLM.generate` queues all its prompts)."""
+        self.k_max = k_max if proposer is not None else 0
+        self.fixed_k = fixed_k
+        self.tree_lookup = tree_lookup
+        """(min_n, max_n): every tree draft gets the prompt-lookup guess as one more branch, verified in the
+        same target forward (copied text is accepted through the guess, the rest through the drafter)."""
+        self.proposer: BatchProposer | None = None
+        self._cost: CostModel | None = None
+        self.row_cost: CostModel | None = None
+        self.set_proposer(proposer, cost)
+        self.cache: KVCache | None = None
+        if allocate:
+            self.reserve(max_num_seqs)
+        self.running: list[Running] = []
+        self.waiting: deque[tuple[Sequence, int | None]] = deque()
+        self.last_step_seconds = 0.0
+        self._keys = itertools.count()
+        self._recent_rows: deque[int] = deque(maxlen=8)
+        """Rows running or waiting at each of the last steps (tells a dip from a lower load)."""
+
+    # ---- configuration -----------------------------------------------------------------------------
+
+    def set_proposer(self, proposer: BatchProposer | None, cost: CostModel | None = None) -> None:
+        """Draft with `proposer` from now on (configured with the cost model, if any)."""
+        self.proposer = proposer
+        self.cost = cost if cost is not None else self._cost
+
+    @property
+    def cost(self) -> CostModel | None:
+        return self._cost
+
+    @cost.setter
+    def cost(self, cost: CostModel | None) -> None:
+        """The measured cost model; None keeps every row's k as the policy chose it (no batch cap)."""
+        self._cost, self.row_cost = cost, cost
+        if cost is None or self.proposer is None:
+            return
+        width = self.proposer.capabilities.tree_width
+        if width != 1:  # what a request alone verifies per depth, for its own choice of k
+            budget = node_budget(cost, self.k_max, 1)
+            self.row_cost = cost.with_tree_nodes(
+                tuple(min(MAX_TREE_NODES, priced_nodes(width, budget, k)) for k in range(1, self.k_max + 1)))
+        self.proposer.configure(cost)
+
+    def reserve(self, rows: int) -> None:
+        """Make room for `rows` running rows (allocated up front for serving, on demand for `generate`)."""
+        rows = min(max(1, rows), self.max_num_seqs)
+        if self.cache is not None and self.cache.batch_size >= rows:
+            return
+        # Headroom past max_len: a step's tree (or padded chain) occupies slots after the row's prefix.
+        cache = self.target.new_cache(rows, self.max_len + MAX_TREE_NODES)
+        if self.cache is not None:
+            old = self.cache.batch_size
+            cache.k[:, :old], cache.v[:, :old] = self.cache.k, self.cache.v
+            cache.lengths[:old] = self.cache.lengths
+        self.cache = cache
+
+    # ---- admission ----------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence, k_override: int | None = None) -> None:
+        """Queue a request; raises QueueFullError beyond max_waiting, ValueError if it can never fit."""
+        need = seq.prompt_len + seq.params.max_tokens
+        if need > self.max_len:
+            raise ValueError(
+                f"prompt ({seq.prompt_len} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the context "
+                f"length {self.max_len}"
+            )
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests already waiting")
+        self.waiting.append((seq, k_override))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (client gone); its row and KV are free for the next step."""
+        for i, (seq, _) in enumerate(self.waiting):
+            if seq.request_id == request_id:
+                del self.waiting[i]
+                seq._finish("abort")
+                return True
+        for i, r in enumerate(self.running):
+            if r.seq.request_id == request_id:
+                r.seq._finish("abort")
+                self._release(i)
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of cache slots holding live tokens."""
+        used = sum(len(r.seq.token_ids) for r in self.running)
+        return used / (self.max_num_seqs * self.max_len)
+
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq, k_override = self.waiting.popleft()
+            self.reserve(len(self.running) + 1)
+            drafts = self.proposer is not None and k_override != 0
+            policy = self._policy(k_override) if drafts else None
+            r = Running(seq, next(self._keys), policy, k_override)
+            self.running.append(r)
+            self._prefill(r, len(self.running) - 1)
+            admitted.append(seq)
+            if seq.finished:
+                self._release(len(self.running) - 1)
+        return admitted
+
+    def _policy(self, k_override: int | None) -> AdaptiveK:
+        fixed = k_override if k_override is not None else self.fixed_k
+        if fixed is not None:
+            return AdaptiveK(fixed_k=fixed)
+        assert self.row_cost is not None, "an adaptive draft length needs the measured cost (measure_cost)"
+        return AdaptiveK(self.row_cost)
+
+    def _prefill(self, r: Running, row: int) -> None:
+        t0 = time.perf_counter()
+        seq = r.seq
+        assert self.cache is not None
+        dev = self.target.device
+        ids = torch.tensor([seq.token_ids], device=dev)
+        pos = torch.arange(len(seq.token_ids), device=dev).unsqueeze(0)
+        hidden = self.target(ids, pos, self.cache.rows(row, row + 1))  # [1, P, D]
+        logits = self.target.compute_logits(hidden[0, -1:])  # the output matrix is the largest: last row only
+        self.cache.set_length(row, seq.prompt_len)
+        if r.policy is not None:
+            assert self.proposer is not None
+            self.proposer.begin(r.key, seq.view())
+            self._share_hidden(r, hidden, 0, slice(None))
+        start_sequence(seq, logits, t0)
+
+    def _release(self, row: int) -> None:
+        assert self.cache is not None
+        if self.running[row].policy is not None and self.proposer is not None:
+            self.proposer.release(self.running[row].key)
+        last = len(self.running) - 1
+        if row != last:
+            self.cache.move_row(last, row)
+            self.running[row] = self.running[last]
+        self.cache.lengths[last] = 0
+        self.running.pop()
+
+    def _share_hidden(self, r: Running, hidden: torch.Tensor, row: int, index: slice | list[int]) -> None:
+        """Head proposers read the target's features of the positions just kept: from the forward's final-norm
+        output hidden [B, T, D], or from the layers it captured for a fused-feature head."""
+        if self.proposer is not None and self.proposer.capabilities.target_hidden:
+            source = hidden if self.target.captured is None else self.target.captured
+            self.proposer.observe_hidden(r.key, source[row, index])
+
+    # ---- one step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """Admit waiting requests, run one speculative step over all running ones; returns sequences with news."""
+        t_start = time.perf_counter()
+        touched = self._admit()  # schedule: admission (and the newcomers' prefill)
+        if not self.running:
+            return touched
+        lengths = self._schedule()
+        t0 = time.perf_counter()
+        rows = self._propose(lengths)
+        t1 = time.perf_counter()
+        plan = build_plan(rows, [len(r.seq.token_ids) - 1 for r in self.running])
+        hidden, logits = self._target_forward(plan)
+        verdicts = verify_rows([r.seq for r in self.running], rows, plan, logits)
+        seconds = (t1 - t0, time.perf_counter() - t1)
+        touched += [r.seq for r in self.running]
+        for i in reversed(self._commit(plan, rows, verdicts, hidden, seconds)):  # and observe/adapt
+            self._release(i)
+        self.last_step_seconds = time.perf_counter() - t_start
+        self._log_step(lengths, rows, t1 - t0)
+        return touched
+
+    def _schedule(self) -> Lengths:
+        """Each row's draft length and the per-row tree budget, from the cost of the whole batch forward."""
+        self._recent_rows.append(len(self.running) + len(self.waiting))
+        # A dip below the recent batch size (requests finishing just before the next ones arrive) is
+        # transient: a row that would have to catch up first pays it all now, not over 16 steps.
+        dip = max(self._recent_rows, default=0) > len(self.running)
+        wants = []
+        for r in self.running:
+            seq = r.seq
+            left = seq.params.max_tokens - seq.num_output
+            allowed = cap_draft_len(self.k_max, len(seq.token_ids), self.max_len, left)
+            k = r.policy.next_k(allowed) if r.policy is not None else 0
+            wants.append(RowWant(k, r.policy, self._catch_up_share(r, dip) if k > 0 else 0.0))
+        width = self.proposer.capabilities.tree_width if self.proposer is not None else 1
+        return choose_lengths(wants, self._cost, width, self.k_max)
+
+    def _catch_up_share(self, r: Running, dip: bool) -> float:
+        """A row's draft catch-up (feeding what its proposer has not seen since it last drafted) spread
+        over the steps it is likely to serve: one long catch-up is paid once, not every step, but a row
+        that pauses and resumes drafting pays it again."""
+        if self.proposer is None or self._cost is None or not self.proposer.capabilities.catch_up:
+            return 0.0
+        left = r.seq.params.max_tokens - r.seq.num_output
+        horizon = 1 if dip else max(1, min(CATCH_UP_HORIZON_STEPS, left // 2))
+        tokens = self.proposer.catch_up_tokens(r.key, r.seq.view())
+        return tokens * self._cost.catch_up_token_seconds / horizon
+
+    def _propose(self, lengths: Lengths) -> list[RowTree]:
+        """One proposer call for every drafting row; tree rows get the prompt-lookup branch grafted."""
+        asks = [ProposeRow(r.key, r.seq.view(), k, max(k, lengths.node_budget))
+                for r, k in zip(self.running, lengths.ks, strict=True) if k > 0]
+        drafts = iter(self.proposer.propose(asks) if asks and self.proposer is not None else [])
+        rows = []
+        for r, k in zip(self.running, lengths.ks, strict=True):
+            draft = next(drafts) if k > 0 else Draft()
+            drafted = len(draft)
+            if draft.is_tree:
+                draft = with_lookup_branch(draft, r.seq.token_ids, self.tree_lookup, k)
+            rows.append(RowTree.of(r.seq.token_ids[-1], draft, drafted))
+        return rows
+
+    def _target_forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over every row's nodes: hidden [B, T, D] and fp32 logits [N, V] of the real nodes."""
+        assert self.cache is not None
+        dev = self.target.device
+        mask = None if plan.mask is None else plan.mask.to(dev)
+        hidden = self.target(plan.tokens.to(dev), plan.positions.to(dev), self.cache.rows(0, plan.rows),
+                             slots=plan.slots.to(dev), attn_mask=mask)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        real = flat if flat.shape[0] == plan.logits_index.numel() else flat[plan.logits_index.to(dev)]
+        return hidden, self.target.compute_logits(real)
+
+    def _commit(self, plan: StepPlan, rows: list[RowTree], verdicts: list[Verified], hidden: torch.Tensor,
+                seconds: tuple[float, float]) -> list[int]:
+        """Keep each row's accepted path (KV compacted behind its prefix), append its tokens (stops apply
+        inside the block), then observe: metrics, the row's draft-length policy, its proposer."""
+        assert self.cache is not None
+        finished = []
+        share = 1.0 / plan.rows  # the forward served every row; attribute an equal share of its time
+        for i, (r, row, v) in enumerate(zip(self.running, rows, verdicts, strict=True)):
+            seq, start = r.seq, plan.starts[i]
+            if v.nodes != list(range(1, len(v.nodes) + 1)):  # a chain's accepted prefix is already in place
+                self.cache.compact(i, [start + n for n in v.nodes], start + 1)
+            self.cache.set_length(i, start + 1 + len(v.nodes))  # the pending token and the accepted drafts
+            self._share_hidden(r, hidden, i, [0, *v.nodes])
+            emitted = 0
+            for tok in v.tokens:
+                seq.append(tok)
+                emitted += 1
+                if seq.finished:
+                    break
+            seq.stats.observe(row.num_drafted, len(v.nodes), emitted, seconds[0] * share, seconds[1] * share,
+                              draft_depth=v.depth)
+            if not seq.finished and len(seq.token_ids) >= self.max_len:
+                seq.finish_length()
+            self._observe(r, row, v)
+            if seq.finished:
+                finished.append(i)
+        return finished
+
+    def _observe(self, r: Running, row: RowTree, v: Verified) -> None:
+        """Adapt: the row's policy learns its acceptance, its proposer what was kept."""
+        if r.policy is None:
+            return
+        r.policy.observe(v.depth, len(v.nodes))
+        if self.proposer is not None and not r.seq.finished:
+            own = sum(1 for n in v.nodes if n <= row.drafted)
+            self.proposer.on_verified(r.key, r.seq.view(), len(v.nodes), own)
+
+    def _log_step(self, lengths: Lengths, rows: list[RowTree], draft_seconds: float) -> None:
+        if STEP_LOG is not None:  # diagnosing load-aware drafting: one JSON line per step
+            with open(STEP_LOG, "a") as f:
+                f.write(json.dumps({"rows": len(rows), "ks": lengths.ks, "drafted": [r.num_drafted for r in rows],
+                                    "node_budget": lengths.node_budget,
+                                    "draft_s": round(draft_seconds, 4),
+                                    "step_s": round(self.last_step_seconds, 4)}) + "\n")

@@ -1,0 +1,74 @@
+"""The draft length and tree size of every row of a batch step, from one cost model of the batch forward.
+
+Each row first picks its own best draft length (its `AdaptiveK`, or a fixed k). The batch then shares one
+target forward over every row's nodes, padded to the widest row, so what a row's draft costs depends on
+the others: a tree row may verify as many nodes as the forward over all rows affords almost for free
+(`tree_node_budget` at this many rows), which falls toward a chain as rows join; and one batch-wide cap on
+the adaptive rows' k maximises the batch's expected tokens per second, which falls toward k = 0 under
+load. A k fixed by the server or by the request is honoured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdecode.engine.adaptive import AdaptiveK, CostModel, tree_node_budget
+from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, priced_nodes
+from specdecode.tree import MAX_TREE_NODES
+
+
+@dataclass
+class RowWant:
+    """What one row would draft alone, and what its drafting costs the batch."""
+
+    k: int
+    policy: AdaptiveK | None
+    """None for a row that never drafts."""
+    catch_up_seconds: float = 0.0
+    """Seconds of the drafter's catch-up this step would pay (spread over the steps it serves)."""
+
+    @property
+    def adaptive(self) -> bool:
+        """Capped by the batch: not a fixed k, nor a probe (one token that keeps the row's estimate alive)."""
+        return self.policy is not None and self.policy.fixed_k is None and not self.policy.probing
+
+    def expected_tokens(self, k: int) -> float:
+        return self.policy.tracker.expected_tokens(k) if self.policy is not None else 1.0
+
+
+@dataclass
+class Lengths:
+    ks: list[int]
+    """Draft length (tree depth) per row."""
+    node_budget: int
+    """Tree nodes each tree row may verify."""
+
+
+def node_budget(cost: CostModel | None, k_max: int, rows: int) -> int:
+    """Tree nodes per row when `rows` rows share the forward (DEFAULT_NODE_BUDGET before any measurement)."""
+    if cost is None:
+        return DEFAULT_NODE_BUDGET
+    return min(MAX_TREE_NODES, tree_node_budget(cost, k_max, rows))
+
+
+def choose_lengths(wants: list[RowWant], cost: CostModel | None, tree_width: int, k_max: int) -> Lengths:
+    """Every row's k and the per-row node budget, maximising the batch's expected tokens per second."""
+    ks = [w.k for w in wants]
+    budget = node_budget(cost, k_max, len(wants))
+    if cost is None or not any(ks):
+        return Lengths(ks, budget)
+
+    def nodes(k: int) -> int:
+        return priced_nodes(tree_width, budget, k) if tree_width != 1 else k
+
+    best_cap, best_rate = 0, -1.0
+    for cap in range(max(ks) + 1):
+        capped = [min(w.k, cap) if w.adaptive else w.k for w in wants]
+        tokens = sum(w.expected_tokens(k) for w, k in zip(wants, capped, strict=True))
+        seconds = cost.target_forward_seconds(len(wants) * (max(nodes(k) for k in capped) + 1))
+        seconds += sum(capped) * cost.draft_step_seconds
+        seconds += sum(w.catch_up_seconds for w, k in zip(wants, capped, strict=True) if k > 0)
+        rate = tokens / seconds
+        if rate > best_rate * (1 + 1e-9):
+            best_cap, best_rate = cap, rate
+    return Lengths([min(w.k, best_cap) if w.adaptive else w.k for w in wants], budget)

@@ -1,0 +1,112 @@
+"""Statistical losslessness through the engine: batched steps, chains and trees, temperature and top-p.
+
+The target is a one-layer model whose attention and MLP outputs are zeroed, so its next-token logits
+depend only on the last token: a Markov chain over a 6-token vocabulary, whose exact distribution of the
+first three sampled tokens is a finite product (`markov_joint`), i.e. what plain sampling draws. Requests
+run 16 at a time through `Engine` with a random draft model (a sampled chain, with its probabilities, or
+a tree of point masses); the histogram of their first three tokens must pass a chi-square test against
+that distribution. The negative control verifies without the residual distribution (a rejected
+candidate's mass is not removed before the next candidate or the recovered token): it must fail.
+Every request has its own seed, so the test is deterministic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from stat_helpers import chi_square_pvalue, histogram, markov_joint
+
+from specdecode.engine.core import Engine
+from specdecode.engine.sequence import Sequence
+from specdecode.model.config import ModelConfig
+from specdecode.model.transformer import Transformer
+from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.rows import RowProposers
+from specdecode.sampling import SamplingParams
+from specdecode.verify import tree as tree_verify
+
+VOCAB = 6
+PROMPT = [0, 3, 1]
+NUM_EMITTED = 3
+NUM_REQUESTS = 1200
+P_THRESHOLD = 1e-3
+PARAMS = dict(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+class _NoText:
+    """Tokenizer stand-in: no EOS, no text (stop rules never fire)."""
+
+    eos_token_id = -1
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+def _model(seed: int, markov: bool) -> Transformer:
+    cfg = ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+                      max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False)
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+        model.model.norm.weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+            if markov:  # the residual stream stays the last token's embedding
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+    return model.fuse_projections().eval()
+
+
+TARGET = _model(0, markov=True)
+DRAFT = _model(1, markov=False)
+
+
+def _transition_logits() -> torch.Tensor:
+    """[V, V]: row t = the target's logits after token t (any context)."""
+    with torch.inference_mode():
+        rows = [TARGET.compute_logits(TARGET(torch.tensor([[t]]), torch.tensor([[0]]), TARGET.new_cache(1, 4))[0])
+                for t in range(VOCAB)]
+    return torch.cat(rows)
+
+
+def _sample(tree_width: int, k: int) -> np.ndarray:
+    proposer = RowProposers(lambda: DraftModelProposer(DRAFT, 32, tree_width=tree_width, tree_branching=2))
+    engine = Engine(TARGET, 32, proposer, k_max=k, fixed_k=k, max_num_seqs=16, max_waiting=None)
+    seqs = [Sequence(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), _NoText(), VOCAB, torch.device("cpu"), 0)
+            for i in range(NUM_REQUESTS)]
+    for s in seqs:
+        engine.add(s)
+    drafted = 0
+    while engine.has_work():
+        engine.step()
+    drafted = sum(s.stats.draft_tokens for s in seqs)
+    assert drafted > NUM_REQUESTS  # every request verified drafts (in a batch of 16)
+    return histogram([s.output_ids for s in seqs], VOCAB, NUM_EMITTED)
+
+
+def _exact() -> np.ndarray:
+    params = SamplingParams(temperature=PARAMS["temperature"], top_p=PARAMS["top_p"])
+    return markov_joint(_transition_logits(), params, PROMPT[-1], NUM_EMITTED)
+
+
+@pytest.mark.parametrize(("tree_width", "k"), [(1, 2), (2, 2)], ids=["chain", "tree"])
+def test_engine_sampling_is_lossless(tree_width: int, k: int) -> None:
+    p = chi_square_pvalue(_sample(tree_width, k), _exact())
+    assert p > P_THRESHOLD, p
+
+
+@pytest.mark.parametrize(("tree_width", "k"), [(1, 2), (2, 2)], ids=["chain", "tree"])
+def test_negative_control_without_the_residual_fails(tree_width: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tree_verify, "_reject_residual", lambda residual, mass, draft_row, token: residual)
+    p = chi_square_pvalue(_sample(tree_width, k), _exact())
+    assert p < P_THRESHOLD, p
