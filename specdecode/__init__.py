@@ -4,6 +4,7 @@ from specdecode.config import SpeculativeConfig
 from specdecode.engine.llm import LLM
 from specdecode.engine.sequence import CompletionOutput, RequestOutput
 from specdecode.sampling import SamplingParams
+from specdecode.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "SpeculativeConfig"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "SpeculativeConfig", "StructuredOutputsParams"]
 __version__ = "0.1.0"

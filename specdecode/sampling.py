@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.structured.params import StructuredOutputsParams
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,6 +41,8 @@ class SamplingParams:
     """Extra token ids that end generation (in addition to EOS)."""
     ignore_eos: bool = False
     """Keep generating after EOS (benchmarks)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (masks the target's logits)."""
 
     def __post_init__(self) -> None:
         # Normalise list inputs so the dataclass stays hashable and frozen.
@@ -47,6 +51,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        if isinstance(self.structured_outputs, dict):  # vLLM's dict form
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         self.validate()
 
     @property

@@ -3,7 +3,7 @@
 `LLM.generate` (all prompts at once), `LLM.stream`, the server and `specdecode bench` all run requests
 here, and a single request is a batch of one. A step is a sequence of named phases:
 
-    schedule -> propose -> plan -> target forward -> verify -> commit -> observe/adapt
+    schedule -> propose -> constrain -> plan -> target forward -> verify -> commit -> observe/adapt
 
 Running sequences occupy cache rows 0..n-1 (a finished one's row is refilled by moving the last row into
 it), so a step runs the target over a contiguous view of the cache. Every row's draft is a tree (a chain
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
+from specdecode.engine.constrain import constrain_row
 from specdecode.engine.plan import RowTree, StepPlan, build_plan
 from specdecode.engine.schedule import Lengths, RowWant, choose_lengths, node_budget
 from specdecode.engine.sequence import Sequence
@@ -226,10 +227,11 @@ class Engine:
         lengths = self._schedule()
         t0 = time.perf_counter()
         rows = self._propose(lengths)
+        masks = self._constrain(rows)
         t1 = time.perf_counter()
         plan = build_plan(rows, [len(r.seq.token_ids) - 1 for r in self.running])
         hidden, logits = self._target_forward(plan)
-        verdicts = verify_rows([r.seq for r in self.running], rows, plan, logits)
+        verdicts = verify_rows([r.seq for r in self.running], rows, plan, logits, masks)
         seconds = (t1 - t0, time.perf_counter() - t1)
         touched += [r.seq for r in self.running]
         for i in reversed(self._commit(plan, rows, verdicts, hidden, seconds)):  # and observe/adapt
@@ -278,6 +280,20 @@ class Engine:
                 draft = with_lookup_branch(draft, r.seq.token_ids, self.tree_lookup, k)
             rows.append(RowTree.of(r.seq.token_ids[-1], draft, drafted))
         return rows
+
+    def _constrain(self, rows: list[RowTree]) -> list[torch.Tensor | None] | None:
+        """Structured outputs: cut the drafted tokens each row's grammar forbids (rows edited in place) and
+        return every row's token masks [n, V] (None for an unconstrained row; None if no row is)."""
+        if all(r.seq.matcher is None for r in self.running):
+            return None
+        masks: list[torch.Tensor | None] = []
+        for i, r in enumerate(self.running):
+            if r.seq.matcher is None:
+                masks.append(None)
+                continue
+            rows[i], mask = constrain_row(rows[i], r.seq.matcher)
+            masks.append(mask)
+        return masks
 
     def _target_forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over every row's nodes: hidden [B, T, D] and fp32 logits [N, V] of the real nodes."""

@@ -49,7 +49,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 Prompt = str | list[int] | dict[str, Any]
 """Text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids}."""
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 class LLM:
@@ -238,10 +238,11 @@ class LLM:
                     engine.abort(s.request_id)
         return seqs
 
-    def chat_prompt_ids(self, messages: Messages) -> list[int]:
+    def chat_prompt_ids(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation through the model's chat template (`tools`: OpenAI tool objects it renders)."""
         if not messages:
             raise ValueError("messages is empty")
-        return self.tokenizer.apply_chat_template(messages)
+        return self.tokenizer.apply_chat_template(messages, tools)
 
     def chat(
         self, messages: Messages | list[Messages], sampling_params: SamplingParams | None = None

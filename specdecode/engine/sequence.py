@@ -12,6 +12,7 @@ from specdecode.metrics import SpecStats
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.proposers.base import SequenceView
 from specdecode.sampling import SamplingParams
+from specdecode.structured.matcher import TokenMatcher, build_matcher
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Sequence:
         device: torch.device,
         default_seed: int,
         prompt: str | None = None,
+        matcher: TokenMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -67,6 +69,10 @@ class Sequence:
             self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self.prompt_mask[torch.tensor(prompt_ids, device=device)] = True
         self.eos_token_id = tokenizer.eos_token_id
+        self.matcher = matcher
+        """The grammar's cursor over the committed output (structured outputs); None when unconstrained."""
+        if matcher is None and params.structured_outputs is not None:
+            self.matcher = build_matcher(params.structured_outputs, tokenizer, vocab_size)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopStringMatcher(params.stop)
         self.text = ""
@@ -105,6 +111,8 @@ class Sequence:
         if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish("stop")
             return
+        if self.matcher is not None:
+            self.matcher.consume(token)
         delta = self.detok.add(token)
         if delta:
             self.text += delta
@@ -113,6 +121,9 @@ class Sequence:
                 self.text = self.text[:cut]
                 self._finish("stop")
                 return
+        if self.matcher is not None and self.matcher.is_stopped():  # complete: only EOS could follow
+            self._finish("stop")
+            return
         if self.num_output >= params.max_tokens:
             self._finish("length")
 

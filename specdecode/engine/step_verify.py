@@ -40,9 +40,25 @@ def tree_output_counts(base_counts: torch.Tensor, attn_mask: torch.Tensor, node_
     return base_counts + (attn_mask.to(device, torch.float32) @ onehot).to(base_counts.dtype)
 
 
+def mask_logits(logits: torch.Tensor, offsets: list[int], masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """The grammar masks applied: logits [N, V] over every row's nodes, masks[i] bool [n_i, V] (None: row i
+    is unconstrained) -> logits with forbidden tokens at -inf, so every processor and the rejection
+    sampling (acceptance and residuals) see the constrained target distribution."""
+    if all(m is None for m in masks):
+        return logits
+    out = logits.clone()
+    for i, mask in enumerate(masks):
+        if mask is not None:
+            lo, hi = offsets[i], offsets[i + 1]
+            out[lo:hi].masked_fill_(~mask.to(out.device), float("-inf"))
+    return out
+
+
 def sample_first(seq: Sequence, last_logits: torch.Tensor) -> int:
     """The first output token from the logits [1, V] at the prompt's last position, as plain decoding."""
     params = seq.params
+    if seq.matcher is not None:
+        last_logits = mask_logits(last_logits, [0, 1], [seq.matcher.allowed()[None]])
     if params.greedy and not params.has_penalties:
         return int(last_logits[0].argmax())
     probs = logits_to_probs(last_logits, params, seq.output_counts, seq.prompt_mask)
@@ -85,8 +101,12 @@ def verify_row(seq: Sequence, row: RowTree, plan: StepPlan, i: int, logits: torc
     return Verified(out.tolist(), list(nodes), tree.max_depth)
 
 
-def verify_rows(seqs: list[Sequence], rows: list[RowTree], plan: StepPlan, logits: torch.Tensor) -> list[Verified]:
-    """logits [N, V] over the plan's real nodes (plan.offsets) -> every row's verdict."""
+def verify_rows(seqs: list[Sequence], rows: list[RowTree], plan: StepPlan, logits: torch.Tensor,
+                masks: list[torch.Tensor | None] | None = None) -> list[Verified]:
+    """logits [N, V] over the plan's real nodes (plan.offsets) -> every row's verdict; masks: each row's
+    grammar masks [n_i, V] (structured outputs) or None."""
+    if masks is not None:
+        logits = mask_logits(logits, plan.offsets, masks)
     fast = [s.params.greedy and not s.params.has_penalties for s in seqs]
     argmax = logits.argmax(-1).cpu() if any(fast) else None  # one call for every greedy row
     out = []

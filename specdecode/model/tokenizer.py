@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -50,9 +51,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                            ) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use plain completion instead")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         # The template already holds any BOS it wants.
         return list(self.hf.encode(text, add_special_tokens=False))

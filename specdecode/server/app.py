@@ -47,7 +47,10 @@ from specdecode.server.protocol import (
     SpeculativeUsage,
     Usage,
 )
+from specdecode.server.structured import structured_params
 from specdecode.server.tokenize_routes import tokenizer_router
+from specdecode.server.tool_stream import tool_events
+from specdecode.server.tools import ToolPlan, chat_messages, tool_grammar, tool_plan, tool_reply
 
 logger = logging.getLogger("specdecode.server")
 
@@ -255,7 +258,7 @@ class _Server:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn)
 
     def _sequence(self, body: ChatCompletionRequest | CompletionRequest, ids: list[int], prompt_field: str,
-                  max_tokens: int | None) -> Sequence:
+                  max_tokens: int | None, plan: ToolPlan | None = None) -> Sequence:
         if any(t >= self.vocab_size for t in ids):
             raise APIError(400, f"token ids must be < the vocabulary size {self.vocab_size}", prompt_field)
         room = self.llm.max_model_len - len(ids)
@@ -279,6 +282,7 @@ class _Server:
             _check_text(s, "stop")
         kwargs["stop_token_ids"] = tuple(body.stop_token_ids or ())
         kwargs["ignore_eos"] = bool(body.ignore_eos)
+        kwargs["structured_outputs"] = structured_params(body, tool_grammar(plan) if plan is not None else None)
         try:
             params = SamplingParams(max_tokens=max_tokens, **kwargs)
             return self.llm.new_sequence(ids, params)
@@ -330,23 +334,21 @@ class _Server:
         seq = self._sequence(body, ids, "prompt", body.max_tokens)
         return await self._submit(body, seq)
 
-    async def prepare_chat(self, body: ChatCompletionRequest) -> RequestStream:
+    async def prepare_chat(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> RequestStream:
         self._check_common(body)
         if body.logprobs or body.top_logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        for i, m in enumerate(messages):
-            _check_text(m["content"], f"messages[{i}].content")
+        messages = chat_messages(body.messages, plan)
 
         def encode() -> list[int]:
-            return self.llm.chat_prompt_ids(messages)
+            return self.llm.chat_prompt_ids(messages, plan.tools if plan is not None and plan.in_template else None)
 
         try:
             ids = await self.run_tokenizer(encode)
         except Exception as exc:  # the model's template may reject a conversation (roles, order)
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        seq = self._sequence(body, ids, "messages", max_tokens)
+        seq = self._sequence(body, ids, "messages", max_tokens, plan)
         return await self._submit(body, seq)
 
     # ---- responses ----------------------------------------------------------------------------------
@@ -569,16 +571,19 @@ def build_app(
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        stream = await server.prepare_chat(body)
+        plan = tool_plan(body, server.llm.tokenizer.hf.chat_template)
+        stream = await server.prepare_chat(body, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return _SSEResponse(server.chat_events(stream, rid, include), stream)
+            events = server.chat_events(stream, rid, include) if plan is None else tool_events(
+                server, stream, rid, include, plan.fmt)
+            return _SSEResponse(events, stream)
         text, final = await server.collect(stream, request)
+        message, finish = tool_reply(text, final.finish_reason, plan)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": server.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": final.finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
             "usage": server.usage(stream, final),
         })
 

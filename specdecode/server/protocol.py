@@ -6,7 +6,8 @@ validation (a 400) before any engine work. A field the server does not know or d
 is a 400 naming it, as OpenAI's own API answers ("Unrecognized request argument supplied: X"), never
 silently ignored. ``user``, ``metadata``, ``store`` and ``service_tier`` are accepted as metadata
 only: they change nothing in the generation. Extensions beyond OpenAI: ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` and ``speculative``.
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``speculative``, and vLLM's structured-output
+spellings (``structured_outputs``, ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,49 @@ class StreamOptions(_Request):
     include_usage: StrictBool | None = False
 
 
-class _SamplingFields(_Request):
+JsonObject = dict[StrictStr, Any]
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: JsonObject | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsOptions(_Request):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    json_: JsonObject | StrictStr | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1, max_length=1024)] | None = None
+    grammar: StrictStr | None = None
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
+class _StructuredFields(_Request):
+    """Structured outputs, OpenAI's and vLLM's spellings (at most one per request)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsOptions | None = None
+    guided_json: JsonObject | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: StrictStr | None = None
+
+
+class _SamplingFields(_StructuredFields):
     """Fields shared by completions and chat completions."""
 
     model: StrictStr | None = Field(None, description="The served model name (see GET /v1/models).")
@@ -97,10 +140,25 @@ class TextPart(_Request):
     text: StrictStr
 
 
+class ToolCallFunction(_Request):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCallIn(_Request):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | Annotated[list[TextPart], Field(max_length=1024)] | None = None
     name: StrictStr | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=128)] | None = None
+    """An assistant turn's calls."""
+    tool_call_id: StrictStr | None = None
+    """A tool turn: the call it answers."""
 
     def text(self) -> str:
         if self.content is None:
@@ -110,8 +168,32 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: StrictStr | None = None
+    parameters: JsonObject | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: StrictStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     logprobs: StrictBool | None = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
@@ -170,16 +252,23 @@ class CompletionStreamResponse(_Model):
     speculative: SpeculativeUsage | None = None
 
 
+class ToolCallOut(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str] = Field(description="{\"name\": ..., \"arguments\": JSON text}")
+
+
 class ChatMessageOut(_Model):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Model):
     index: int = 0
     message: ChatMessageOut
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(_Model):
@@ -194,13 +283,15 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="OpenAI's streamed calls: {index, id, type, function: {name, arguments}} pieces")
 
 
 class ChatStreamChoice(_Model):
     index: int = 0
     delta: DeltaMessage
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionStreamResponse(_Model):

@@ -1,0 +1,80 @@
+"""The constrain phase of a step (structured outputs), between propose and plan: each constrained row's
+draft is walked with its grammar matcher, forbidden drafted tokens are cut before verification, and every
+kept node gets its token mask (the tokens the grammar accepts after the path root..node), which verify
+applies to the target's logits there.
+
+Cutting is lossless. A point-mass node the grammar forbids (n-gram, greedy draft, tree candidates) would be
+rejected for sure and its rejection leaves the residual unchanged (its masked target probability is 0), so
+it and its subtree are dropped. A sampled chain's forbidden token is rejected for sure too, but the token
+after it must come from the residual max(p - q, 0) of the draft distribution it was sampled from: the chain
+keeps that token as its leaf (verify rejects it) and drops what follows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.engine.plan import RowTree
+from specdecode.structured.matcher import TokenMatcher
+
+
+def _children(parents: list[int]) -> list[list[int]]:
+    children: list[list[int]] = [[] for _ in parents]
+    for c, p in enumerate(parents[1:], start=1):
+        children[p].append(c)
+    return children
+
+
+def _walk_tree(row: RowTree, matcher: TokenMatcher) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """Depth-first over the tree, consuming along each path and rolling back: the nodes the grammar allows
+    (original indices) and each one's mask."""
+    children = _children(row.parents)
+    kept: list[int] = []
+    masks: dict[int, torch.Tensor] = {}
+
+    def visit(v: int) -> None:
+        kept.append(v)
+        masks[v] = allowed = matcher.allowed()  # [V]
+        for c in children[v]:
+            token = row.tokens[c]
+            if bool(allowed[token]) and matcher.consume(token):
+                visit(c)
+                matcher.rollback(1)
+
+    visit(0)
+    return sorted(kept), masks
+
+
+def _walk_sampled_chain(row: RowTree, matcher: TokenMatcher) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """Along a sampled chain: up to the first forbidden token, which stays as a leaf with no mask of its
+    own (it is always rejected, so its row is never read)."""
+    kept, masks, consumed = [0], {}, 0
+    for v in range(len(row.tokens)):
+        masks[v] = allowed = matcher.allowed()  # [V]
+        c = v + 1
+        if c == len(row.tokens):
+            break
+        kept.append(c)
+        if not bool(allowed[row.tokens[c]]) or not matcher.consume(row.tokens[c]):
+            masks[c] = torch.ones_like(allowed)
+            break
+        consumed += 1
+    matcher.rollback(consumed)
+    return kept, masks
+
+
+def constrain_row(row: RowTree, matcher: TokenMatcher) -> tuple[RowTree, torch.Tensor]:
+    """The row's draft with forbidden tokens cut, and its masks [n', V] (bool, row v = allowed after node v).
+
+    The matcher stands after the row's pending token (node 0) and is left there.
+    """
+    sampled = row.draft_probs is not None
+    kept, masks = (_walk_sampled_chain if sampled else _walk_tree)(row, matcher)
+    stacked = torch.stack([masks[v] for v in kept])  # [n', V]
+    if len(kept) == len(row.tokens):
+        return row, stacked
+    index = {v: i for i, v in enumerate(kept)}
+    parents = [-1, *(index[row.parents[v]] for v in kept[1:])]
+    probs = None if row.draft_probs is None else row.draft_probs[kept]
+    drafted = sum(1 for v in kept[1:] if v <= row.drafted)
+    return RowTree([row.tokens[v] for v in kept], parents, probs, drafted), stacked

@@ -1,0 +1,73 @@
+"""A request's structured-output fields -> `StructuredOutputsParams` (or a 400 naming the field).
+
+OpenAI's ``response_format`` and vLLM's ``structured_outputs`` / ``guided_*`` spellings all land on the
+same params; a request may use one of them. The grammar is compiled when the request's sequence is built,
+so a schema or regex the grammar engine refuses is a 400 too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from specdecode.server.errors import APIError
+from specdecode.server.protocol import _StructuredFields
+from specdecode.structured import StructuredOutputsParams
+
+_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _json_schema(value: dict[str, Any] | str, param: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise APIError(400, f"{param} is not valid JSON: {exc}", param) from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{param} must be a JSON schema object", param)
+    return value
+
+
+def structured_params(body: _StructuredFields, tools: StructuredOutputsParams | None = None
+                      ) -> StructuredOutputsParams | None:
+    """The request's constraint, or None (also for response_format {"type": "text"}); `tools` is the grammar
+    of a required or named tool choice, which excludes any other constraint."""
+    given = [f for f in _FIELDS if getattr(body, f) is not None]
+    if body.response_format is not None and body.response_format.type == "text":
+        given.remove("response_format")
+    if tools is not None:
+        if given:
+            raise APIError(400, f"{given[0]} cannot be combined with a required or named tool_choice", given[0])
+        return tools
+    if len(given) > 1:
+        raise APIError(400, f"give at most one structured-output field, got {', '.join(given)}", given[1])
+    if not given:
+        return None
+    field = given[0]
+    try:
+        if field == "response_format":
+            fmt = body.response_format
+            assert fmt is not None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema",
+                               "response_format.json_schema")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        if field == "structured_outputs":
+            so = body.structured_outputs
+            assert so is not None
+            schema = None if so.json_ is None else _json_schema(so.json_, "structured_outputs.json")
+            return StructuredOutputsParams(json=schema, json_object=so.json_object, regex=so.regex,
+                                           choice=tuple(so.choice) if so.choice is not None else None,
+                                           grammar=so.grammar)
+        if field == "guided_json":
+            assert body.guided_json is not None
+            return StructuredOutputsParams(json=_json_schema(body.guided_json, field))
+        if field == "guided_regex":
+            return StructuredOutputsParams(regex=body.guided_regex)
+        if field == "guided_choice":
+            return StructuredOutputsParams(choice=tuple(body.guided_choice or ()))
+        return StructuredOutputsParams(grammar=body.guided_grammar)
+    except ValueError as exc:
+        raise APIError(400, str(exc), field) from None

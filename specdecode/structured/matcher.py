@@ -1,0 +1,121 @@
+"""The grammar engine behind structured outputs: llguidance, wrapped as a `TokenMatcher`.
+
+A matcher follows one request's output token by token: `allowed()` is the mask of tokens the grammar
+accepts next (EOS only where the output so far is complete), `consume` advances it, `rollback` undoes the
+last tokens (the engine walks a draft tree with consume/rollback and keeps only committed tokens).
+llguidance is imported here only, on the first constrained request (the `serve` extra installs it).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from specdecode.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from specdecode.model.tokenizer import Tokenizer
+
+
+class TokenMatcher(Protocol):
+    """What the engine needs of a grammar: a token mask and a cursor it can move back."""
+
+    def allowed(self) -> torch.Tensor:
+        """bool [V]: the tokens the grammar accepts next (never all False)."""
+
+    def consume(self, token: int) -> bool:
+        """Advance by one token; False if the grammar refuses it."""
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n consumed tokens."""
+
+    def is_stopped(self) -> bool:
+        """Nothing but EOS may follow: the output is complete."""
+
+
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _import_llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError:  # pragma: no cover - depends on the install
+        raise ValueError("structured outputs need the grammar engine: pip install 'specdecode[serve]' "
+                         "(or pip install llguidance)") from None
+    return llguidance
+
+
+def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
+    """llguidance's view of the tokenizer over the model's vocab_size logits (built once, ~1 s)."""
+    cached = _TOKENIZERS.get(tokenizer)
+    if cached is not None and cached[0] == vocab_size:
+        return cached[1]
+    llg = _import_llguidance()
+    eos = tokenizer.eos_token_id
+    lltok = llg.hf.from_tokenizer(tokenizer.hf, n_vocab=max(vocab_size, len(tokenizer.hf)), eos_token=eos)
+    _TOKENIZERS[tokenizer] = (vocab_size, lltok)
+    return lltok
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint."""
+    llg = _import_llguidance()
+    kind = params.kind
+    if kind == "json":
+        return llg.LLMatcher.grammar_from_json_schema(params.json, defaults={"whitespace_flexible": False})
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return llg.grammar_from("choice", list(params.choice or ()))
+    return llg.grammar_from("grammar", params.grammar or "")
+
+
+class LLGuidanceMatcher:
+    """A `TokenMatcher` over llguidance's `LLMatcher`."""
+
+    def __init__(self, lltok: Any, grammar: str, vocab_size: int, eos_token_id: int | None) -> None:
+        llg = _import_llguidance()
+        self.vocab_size = vocab_size
+        self.eos = eos_token_id
+        self._m = llg.LLMatcher(lltok, grammar, log_level=0)
+        if self._m.is_error():
+            raise ValueError(f"invalid grammar: {self._m.get_error()}")
+
+    def allowed(self) -> torch.Tensor:
+        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)  # [V]
+        if not mask.any() and self.eos is not None:  # a matcher in error: end the output rather than emit NaNs
+            mask[self.eos] = True
+        return torch.from_numpy(mask)
+
+    def consume(self, token: int) -> bool:
+        return bool(self._m.consume_token(int(token)))
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._m.rollback(n)
+
+    def is_stopped(self) -> bool:
+        return bool(self._m.is_stopped())
+
+    def is_accepting(self) -> bool:
+        return bool(self._m.is_accepting())
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error()
+
+
+def build_matcher(params: StructuredOutputsParams, tokenizer: Tokenizer, vocab_size: int) -> LLGuidanceMatcher:
+    """A fresh matcher for one request; raises ValueError on a grammar the engine refuses."""
+    try:
+        grammar = grammar_text(params)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"structured_outputs: {exc}") from None
+    return LLGuidanceMatcher(ll_tokenizer(tokenizer, vocab_size), grammar, vocab_size, tokenizer.eos_token_id)
