@@ -23,11 +23,8 @@ PYTHON_TAG = "<|python_tag|>"
 Format = Literal["hermes", "llama"]
 
 _HERMES_SYSTEM = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}}\n</tool_call>"
+    "# Tools\n\nYou may call these functions:\n<tools>{tools}\n</tools>\n\nTo call one, reply with "
+    "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
 )
 
 
@@ -141,14 +138,15 @@ def call_schema(functions: list[dict[str, Any]], fmt: Format) -> dict[str, Any]:
     options = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                  key: f.get("parameters") or {"type": "object"}},
                 "required": ["name", key], "additionalProperties": False} for f in functions]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}  # compact JSON: no runs of blank space
 
 
 def tool_grammar(plan: ToolPlan) -> StructuredOutputsParams | None:
     """`required` / named: exactly one call, in the model's format, whose arguments follow the schema."""
     if plan.mode == "auto":
         return None
-    schema = json.dumps(call_schema(plan.functions(), plan.fmt))
+    schema = json.dumps(call_schema(plan.functions(), plan.fmt), ensure_ascii=False)
     if plan.fmt == "llama":
         return StructuredOutputsParams(grammar=f"start: call\ncall: %json {schema}")
     return StructuredOutputsParams(grammar=f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {schema}')

@@ -1,0 +1,98 @@
+"""Constrained speculative sampling has the constrained target distribution, through the engine.
+
+The Markov-chain target of tests/test_engine_lossless.py (logits depend only on the last token), a token
+grammar that allows three of the six tokens after each token (a stand-in `TokenMatcher`, so the test sees
+the engine's masking and pruning, not a grammar engine's), a random draft model drafting sampled chains
+(with their probabilities) and trees of point masses, unaware of the grammar. The joint of the first three
+tokens must pass a chi-square test against the exact constrained chain (each row masked, renormalised
+after temperature and top-p). The negative control applies the grammar's mask at the root of each draft
+only, so the target's distributions deeper in the draft (acceptance, residuals, bonus token) are
+unconstrained: it must fail (forbidden sequences, or a failing chi-square).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from stat_helpers import chi_square_pvalue, histogram, markov_joint
+from test_engine_lossless import DRAFT, NUM_EMITTED, PARAMS, PROMPT, TARGET, VOCAB, _NoText, _transition_logits
+
+from specdecode.engine import constrain
+from specdecode.engine.core import Engine
+from specdecode.engine.sequence import Sequence
+from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.rows import RowProposers
+from specdecode.sampling import SamplingParams
+
+NUM_REQUESTS = 1000
+P_THRESHOLD = 1e-3
+ALLOWED = {0: (1, 2, 4), 1: (0, 3, 5), 2: (1, 2, 3), 3: (0, 4, 5), 4: (2, 3, 5), 5: (0, 1, 4)}
+"""Tokens the grammar allows after each token."""
+
+
+class MarkovGrammar:
+    """A `TokenMatcher` whose allowed set depends on the last token consumed."""
+
+    def __init__(self, last: int) -> None:
+        self.path = [last]
+
+    def allowed(self) -> torch.Tensor:
+        mask = torch.zeros(VOCAB, dtype=torch.bool)
+        mask[list(ALLOWED[self.path[-1]])] = True
+        return mask
+
+    def consume(self, token: int) -> bool:
+        self.path.append(token)
+        return token in ALLOWED[self.path[-2]]
+
+    def rollback(self, n: int) -> None:
+        del self.path[len(self.path) - n :]
+
+    def is_stopped(self) -> bool:
+        return False
+
+
+def _sample(tree_width: int, k: int) -> np.ndarray:
+    proposer = RowProposers(lambda: DraftModelProposer(DRAFT, 32, tree_width=tree_width, tree_branching=2))
+    engine = Engine(TARGET, 32, proposer, k_max=k, fixed_k=k, max_num_seqs=16, max_waiting=None)
+    seqs = [Sequence(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), _NoText(), VOCAB, torch.device("cpu"), 0,
+                     matcher=MarkovGrammar(PROMPT[-1])) for i in range(NUM_REQUESTS)]
+    for s in seqs:
+        engine.add(s)
+    while engine.has_work():
+        engine.step()
+    assert sum(s.stats.accepted_tokens for s in seqs) > NUM_REQUESTS // 4  # drafts were verified and kept
+    return histogram([s.output_ids for s in seqs], VOCAB, NUM_EMITTED)
+
+
+def _exact() -> np.ndarray:
+    logits = _transition_logits()  # [V, V]
+    for last, allowed in ALLOWED.items():
+        forbidden = [t for t in range(VOCAB) if t not in allowed]
+        logits[last, forbidden] = float("-inf")
+    params = SamplingParams(temperature=PARAMS["temperature"], top_p=PARAMS["top_p"])
+    return markov_joint(logits, params, PROMPT[-1], NUM_EMITTED)
+
+
+@pytest.mark.parametrize(("tree_width", "k"), [(1, 2), (2, 2)], ids=["chain", "tree"])
+def test_constrained_speculative_sampling_is_lossless(tree_width: int, k: int) -> None:
+    p = chi_square_pvalue(_sample(tree_width, k), _exact())
+    assert p > P_THRESHOLD, p
+
+
+def test_negative_control_mask_at_the_root_only_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = constrain.constrain_row
+
+    def root_only(row, matcher):  # noqa: ANN001, ANN202
+        pruned, masks = real(row, matcher)
+        masks[1:] = True  # the draft's positions see the unconstrained target
+        return pruned, masks
+
+    monkeypatch.setattr("specdecode.engine.core.constrain_row", root_only)
+    observed = _sample(1, 2)
+    exact = _exact()
+    if observed[exact == 0].sum() > 0:
+        return  # sampled sequences the constrained chain cannot produce: caught outright
+    p = chi_square_pvalue(observed, exact)
+    assert p < P_THRESHOLD, p
