@@ -1,0 +1,91 @@
+"""Pure parts of structured outputs and tool calling: draft pruning, params, tool-call parsing (whole and
+streamed) on canned model output in the Hermes / Qwen2.5 and Llama 3.x formats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_structured_lossless import MarkovGrammar
+
+from specdecode import SamplingParams, StructuredOutputsParams
+from specdecode.engine.constrain import constrain_row
+from specdecode.engine.plan import RowTree
+from specdecode.server.tools import ToolCallStream, parse_tool_calls, template_format
+
+
+def test_point_mass_tree_loses_forbidden_nodes_and_their_subtrees() -> None:
+    # after 1: {0, 3, 5}; after 0: {1, 2, 4}; after 3: {0, 4, 5}
+    row = RowTree([1, 0, 2, 3, 4, 1, 5], [-1, 0, 0, 0, 1, 2, 3], None, 6)
+    matcher = MarkovGrammar(1)
+    pruned, masks = constrain_row(row, matcher)
+    assert pruned.tokens == [1, 0, 3, 4, 5] and pruned.parents == [-1, 0, 0, 1, 2]
+    assert pruned.drafted == 4 and masks.shape == (5, 6)
+    assert masks[0].nonzero().flatten().tolist() == [0, 3, 5]
+    assert masks[1].nonzero().flatten().tolist() == [1, 2, 4]
+    assert matcher.path == [1]  # left where it stood
+
+
+def test_sampled_chain_keeps_its_first_forbidden_token_as_a_leaf() -> None:
+    probs = torch.full((4, 6), 1 / 6)
+    row = RowTree([1, 0, 2, 5, 0], [-1, 0, 1, 2, 3], probs, 4)  # 1 -> 0 ok, 0 -> 2 ok, 2 -> 5 forbidden
+    pruned, masks = constrain_row(row, MarkovGrammar(1))
+    assert pruned.tokens == [1, 0, 2, 5] and pruned.draft_probs.shape == (4, 6)
+    assert bool(masks[3].all())  # never read: the forbidden token is always rejected
+
+
+def test_structured_params() -> None:
+    p = SamplingParams(structured_outputs={"json": {"type": "object", "b": 1, "a": 2}})
+    assert p.structured_outputs.kind == "json" and hash(p)
+    assert StructuredOutputsParams(choice=["a", "b"]).choice == ("a", "b")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", grammar="start: x")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+
+
+HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TWO = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+       '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+def test_parse_hermes_calls() -> None:
+    content, calls = parse_tool_calls(HERMES, "hermes")
+    assert content == "Let me check."
+    assert calls == [{"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}]
+    _, calls = parse_tool_calls(TWO, "hermes")
+    assert [json.loads(c["arguments"]) for c in calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    assert parse_tool_calls("no call here", "hermes") == ("no call here", [])
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert parse_tool_calls(broken, "hermes") == (broken, [])
+    _, calls = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {}}', "hermes")  # EOS before the tag
+    assert calls == [{"name": "f", "arguments": "{}"}]
+
+
+def test_parse_llama_calls() -> None:
+    assert parse_tool_calls(LLAMA, "llama") == (None, [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])
+    assert parse_tool_calls("<|python_tag|>" + LLAMA, "llama")[1][0]["name"] == "get_weather"
+    assert parse_tool_calls("The answer is 4.", "llama") == ("The answer is 4.", [])
+
+
+@pytest.mark.parametrize(("text", "fmt"), [(HERMES, "hermes"), (TWO, "hermes"), (LLAMA, "llama"),
+                                           ("plain text answer", "hermes"), ("plain text", "llama")])
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_streamed_calls_reassemble_to_the_whole_parse(text: str, fmt: str, size: int) -> None:
+    stream = ToolCallStream(fmt)  # type: ignore[arg-type]
+    events = []
+    for i in range(0, len(text), size):
+        events += stream.feed(text[i : i + size])
+    events += stream.finish()
+    content, calls = parse_tool_calls(text, fmt)  # type: ignore[arg-type]
+    assert [v for k, v in events if k == "call"] == calls
+    streamed = "".join(v for k, v in events if k == "content")
+    assert streamed.strip() == (content or "").strip()
+
+
+def test_template_format() -> None:
+    assert template_format("{{ '<tool_call>' }} {% if tools %}") == ("hermes", True)
+    assert template_format("{% if tools %}{{ 'parameters' }}{% endif %}") == ("llama", True)
+    assert template_format("{% for m in messages %}{{ m.content }}{% endfor %}") == ("hermes", False)
