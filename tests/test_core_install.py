@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-BLOCKED = ("fastapi", "starlette", "uvicorn", "prometheus_client", "matplotlib")
+BLOCKED = ("fastapi", "starlette", "uvicorn", "prometheus_client", "matplotlib", "llguidance")
 """The [serve] and [bench] extras' packages (pydantic stays: transformers may bring it)."""
 
 CHILD = textwrap.dedent("""

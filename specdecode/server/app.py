@@ -571,7 +571,7 @@ def build_app(
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        plan = tool_plan(body, server.llm.tokenizer.hf.chat_template)
+        plan = tool_plan(body, server.llm.tokenizer.hf)
         stream = await server.prepare_chat(body, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from specdecode.server.errors import APIError
 from specdecode.server.protocol import ChatCompletionRequest, ChatMessage
 from specdecode.structured import StructuredOutputsParams
+from specdecode.structured.matcher import JSON_STYLE
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -40,6 +41,9 @@ class ToolPlan:
     fmt: Format
     in_template: bool
     """The model's chat template renders tools, calls and tool results itself."""
+    tags: tuple[str, str] = (json.dumps(OPEN), json.dumps(CLOSE))
+    """The grammar's spelling of the call tags: a string, or `<[id]>` where the tokenizer has the tag as one
+    added token (Qwen2.5), which the grammar engine matches as a token, not as text."""
 
     def functions(self) -> list[dict[str, Any]]:
         fns = [t["function"] for t in self.tools]
@@ -56,7 +60,13 @@ def template_format(chat_template: str | None) -> tuple[Format, bool]:
     return "hermes", False
 
 
-def tool_plan(body: ChatCompletionRequest, chat_template: str | None) -> ToolPlan | None:
+def _tag(hf: Any, tag: str) -> str:
+    """A tag as the grammar spells it: its added token's id, or the text."""
+    added = {t.content: i for i, t in (getattr(hf, "added_tokens_decoder", None) or {}).items()}
+    return f"<[{added[tag]}]>" if tag in added else json.dumps(tag)
+
+
+def tool_plan(body: ChatCompletionRequest, hf_tokenizer: Any) -> ToolPlan | None:
     """None when the request has no tools or tool_choice "none" (the model then answers in text)."""
     choice = body.tool_choice
     if not body.tools:
@@ -77,8 +87,9 @@ def tool_plan(body: ChatCompletionRequest, chat_template: str | None) -> ToolPla
         if name not in names:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
                            "tool_choice")
-    fmt, in_template = template_format(chat_template)
-    return ToolPlan(tools, mode, name, fmt, in_template)  # type: ignore[arg-type]
+    fmt, in_template = template_format(getattr(hf_tokenizer, "chat_template", None))
+    tags = (_tag(hf_tokenizer, OPEN), _tag(hf_tokenizer, CLOSE))
+    return ToolPlan(tools, mode, name, fmt, in_template, tags)  # type: ignore[arg-type]
 
 
 def _arguments(text: str) -> Any:
@@ -139,7 +150,7 @@ def call_schema(functions: list[dict[str, Any]], fmt: Format) -> dict[str, Any]:
                                                  key: f.get("parameters") or {"type": "object"}},
                 "required": ["name", key], "additionalProperties": False} for f in functions]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}  # compact JSON: no runs of blank space
+    return {**schema, "x-guidance": JSON_STYLE}
 
 
 def tool_grammar(plan: ToolPlan) -> StructuredOutputsParams | None:
@@ -149,7 +160,8 @@ def tool_grammar(plan: ToolPlan) -> StructuredOutputsParams | None:
     schema = json.dumps(call_schema(plan.functions(), plan.fmt), ensure_ascii=False)
     if plan.fmt == "llama":
         return StructuredOutputsParams(grammar=f"start: call\ncall: %json {schema}")
-    return StructuredOutputsParams(grammar=f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {schema}')
+    start, end = plan.tags
+    return StructuredOutputsParams(grammar=f'start: {start} "\\n" call "\\n" {end}\ncall: %json {schema}')
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------

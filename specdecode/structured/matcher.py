@@ -36,6 +36,10 @@ class TokenMatcher(Protocol):
         """Nothing but EOS may follow: the output is complete."""
 
 
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""JSON as `json.dumps` and chat templates write it: one space after ':' and ',', no other blank space (free
+whitespace lets a model, or a random one, wander through runs of blanks)."""
+
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
@@ -66,9 +70,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     llg = _import_llguidance()
     kind = params.kind
     if kind == "json":
-        return llg.LLMatcher.grammar_from_json_schema(params.json, defaults={"whitespace_flexible": False})
+        return llg.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_STYLE)
     if kind == "json_object":
-        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
