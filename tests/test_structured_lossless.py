@@ -1,13 +1,14 @@
 """Constrained speculative sampling has the constrained target distribution, through the engine.
 
 The Markov-chain target of tests/test_engine_lossless.py (logits depend only on the last token), a token
-grammar that allows three of the six tokens after each token (a stand-in `TokenMatcher`, so the test sees
+grammar that allows three of the six tokens after most tokens (a stand-in `TokenMatcher`, so the test sees
 the engine's masking and pruning, not a grammar engine's), a random draft model drafting sampled chains
 (with their probabilities) and trees of point masses, unaware of the grammar. The joint of the first three
 tokens must pass a chi-square test against the exact constrained chain (each row masked, renormalised
-after temperature and top-p). The negative control applies the grammar's mask at the root of each draft
-only, so the target's distributions deeper in the draft (acceptance, residuals, bonus token) are
-unconstrained: it must fail (forbidden sequences, or a failing chi-square).
+after temperature and top-p). One token forces the next, so drafts also carry grammar-forced nodes.
+The negative control applies the grammar's mask at the root of each draft only, so the target's
+distributions deeper in the draft (acceptance, residuals, bonus token) are unconstrained: it must fail
+(forbidden sequences, or a failing chi-square).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from specdecode.sampling import SamplingParams
 
 NUM_REQUESTS = 1000
 P_THRESHOLD = 1e-3
-ALLOWED = {0: (1, 2, 4), 1: (0, 3, 5), 2: (1, 2, 3), 3: (0, 4, 5), 4: (2, 3, 5), 5: (0, 1, 4)}
-"""Tokens the grammar allows after each token."""
+ALLOWED = {0: (1, 2, 4), 1: (0, 3, 5), 2: (1, 2, 3), 3: (0, 4, 5), 4: (2, 3, 5), 5: (0,)}
+"""Tokens the grammar allows after each token; after 5 it forces 0 (a forced draft token)."""
 
 
 class MarkovGrammar:
@@ -51,6 +52,15 @@ class MarkovGrammar:
 
     def is_stopped(self) -> bool:
         return False
+
+    def forced(self) -> list[int]:
+        forced, last = [], self.path[-1]
+        while len(ALLOWED[last]) == 1:
+            last = ALLOWED[last][0]
+            forced.append(last)
+            if len(forced) == 3:
+                break
+        return forced
 
 
 def _sample(tree_width: int, k: int) -> np.ndarray:
@@ -84,8 +94,8 @@ def test_constrained_speculative_sampling_is_lossless(tree_width: int, k: int) -
 def test_negative_control_mask_at_the_root_only_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     real = constrain.constrain_row
 
-    def root_only(row, matcher):  # noqa: ANN001, ANN202
-        pruned, masks = real(row, matcher)
+    def root_only(row, matcher, forced_room=0):  # noqa: ANN001, ANN202
+        pruned, masks = real(row, matcher, forced_room)
         masks[1:] = True  # the draft's positions see the unconstrained target
         return pruned, masks
 

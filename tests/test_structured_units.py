@@ -17,10 +17,10 @@ from specdecode.server.tools import ToolCallStream, parse_tool_calls, template_f
 
 def test_point_mass_tree_loses_forbidden_nodes_and_their_subtrees() -> None:
     # after 1: {0, 3, 5}; after 0: {1, 2, 4}; after 3: {0, 4, 5}
-    row = RowTree([1, 0, 2, 3, 4, 1, 5], [-1, 0, 0, 0, 1, 2, 3], None, 6)
+    row = RowTree([1, 0, 2, 3, 4, 1, 4], [-1, 0, 0, 0, 1, 2, 3], None, 6)
     matcher = MarkovGrammar(1)
     pruned, masks = constrain_row(row, matcher)
-    assert pruned.tokens == [1, 0, 3, 4, 5] and pruned.parents == [-1, 0, 0, 1, 2]
+    assert pruned.tokens == [1, 0, 3, 4, 4] and pruned.parents == [-1, 0, 0, 1, 2]
     assert pruned.drafted == 4 and masks.shape == (5, 6)
     assert masks[0].nonzero().flatten().tolist() == [0, 3, 5]
     assert masks[1].nonzero().flatten().tolist() == [1, 2, 4]
@@ -33,6 +33,19 @@ def test_sampled_chain_keeps_its_first_forbidden_token_as_a_leaf() -> None:
     pruned, masks = constrain_row(row, MarkovGrammar(1))
     assert pruned.tokens == [1, 0, 2, 5] and pruned.draft_probs.shape == (4, 6)
     assert bool(masks[3].all())  # never read: the forbidden token is always rejected
+
+
+def test_a_whole_chain_gets_the_forced_tokens() -> None:
+    row = RowTree([0, 4, 5], [-1, 0, 1], None, 2)  # 0 -> 4 -> 5, then 5 forces 0
+    matcher = MarkovGrammar(0)
+    extended, masks = constrain_row(row, matcher, forced_room=4)
+    assert extended.tokens == [0, 4, 5, 0] and extended.parents == [-1, 0, 1, 2] and extended.drafted == 2
+    assert masks.shape == (4, 6) and matcher.path == [0]
+    assert constrain_row(row, MarkovGrammar(0), forced_room=0)[0].tokens == [0, 4, 5]
+    probs = torch.full((2, 6), 1 / 6)
+    sampled, _ = constrain_row(RowTree([0, 4, 5], [-1, 0, 1], torch.cat([probs, torch.zeros(1, 6)]), 2),
+                               MarkovGrammar(0), forced_room=4)
+    assert sampled.draft_probs[2].tolist() == [1, 0, 0, 0, 0, 0] and not sampled.draft_probs[3].any()
 
 
 def test_structured_params() -> None:

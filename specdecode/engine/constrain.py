@@ -8,6 +8,10 @@ rejected for sure and its rejection leaves the residual unchanged (its masked ta
 it and its subtree are dropped. A sampled chain's forbidden token is rejected for sure too, but the token
 after it must come from the residual max(p - q, 0) of the draft distribution it was sampled from: the chain
 keeps that token as its leaf (verify rejects it) and drops what follows.
+
+A chain that the grammar kept whole is then extended by the grammar's forced continuation (the tokens that
+must come next, e.g. a JSON schema's keys and punctuation), as point-mass draft nodes: free drafts that
+the constrained target almost always accepts, verified like any other (lossless by the same rule).
 """
 
 from __future__ import annotations
@@ -63,18 +67,54 @@ def _walk_sampled_chain(row: RowTree, matcher: TokenMatcher) -> tuple[list[int],
     return kept, masks
 
 
-def constrain_row(row: RowTree, matcher: TokenMatcher) -> tuple[RowTree, torch.Tensor]:
-    """The row's draft with forbidden tokens cut, and its masks [n', V] (bool, row v = allowed after node v).
+def _forced(row: RowTree, masks: list[torch.Tensor], matcher: TokenMatcher, room: int
+            ) -> tuple[list[int], list[torch.Tensor]]:
+    """The grammar's forced tokens after the chain `row` (up to `room`) and the mask after each."""
+    for t in row.tokens[1:]:
+        matcher.consume(t)
+    tokens: list[int] = []
+    extra: list[torch.Tensor] = []
+    allowed = masks[-1]
+    for t in matcher.forced()[:room]:
+        if not bool(allowed[t]) or not matcher.consume(t):
+            break
+        tokens.append(t)
+        allowed = matcher.allowed()
+        extra.append(allowed)
+    matcher.rollback(len(row.tokens) - 1 + len(tokens))
+    return tokens, extra
+
+
+def _extend(row: RowTree, tokens: list[int]) -> RowTree:
+    """The chain with point-mass nodes appended (a sampled chain's rows for them are one-hot)."""
+    n = len(row.tokens)
+    probs = row.draft_probs
+    if probs is not None:
+        onehot = torch.zeros(len(tokens), probs.shape[-1], dtype=probs.dtype, device=probs.device)
+        probs = torch.cat([probs, onehot])  # [n + f, V]
+        probs[n - 1 : n - 1 + len(tokens)] = 0.0
+        probs[torch.arange(n - 1, n - 1 + len(tokens)), torch.tensor(tokens)] = 1.0
+    parents = [*row.parents, *range(n - 1, n - 1 + len(tokens))]
+    return RowTree([*row.tokens, *tokens], parents, probs, row.drafted)
+
+
+def constrain_row(row: RowTree, matcher: TokenMatcher, forced_room: int = 0) -> tuple[RowTree, torch.Tensor]:
+    """The row's draft with forbidden tokens cut, and its masks [n', V] (bool, row v = allowed after node v);
+    a chain kept whole gets up to `forced_room` forced tokens appended.
 
     The matcher stands after the row's pending token (node 0) and is left there.
     """
     sampled = row.draft_probs is not None
     kept, masks = (_walk_sampled_chain if sampled else _walk_tree)(row, matcher)
-    stacked = torch.stack([masks[v] for v in kept])  # [n', V]
-    if len(kept) == len(row.tokens):
-        return row, stacked
-    index = {v: i for i, v in enumerate(kept)}
-    parents = [-1, *(index[row.parents[v]] for v in kept[1:])]
-    probs = None if row.draft_probs is None else row.draft_probs[kept]
-    drafted = sum(1 for v in kept[1:] if v <= row.drafted)
-    return RowTree([row.tokens[v] for v in kept], parents, probs, drafted), stacked
+    rows = [masks[v] for v in kept]
+    if len(kept) != len(row.tokens):
+        index = {v: i for i, v in enumerate(kept)}
+        parents = [-1, *(index[row.parents[v]] for v in kept[1:])]
+        probs = None if row.draft_probs is None else row.draft_probs[kept]
+        drafted = sum(1 for v in kept[1:] if v <= row.drafted)
+        row = RowTree([row.tokens[v] for v in kept], parents, probs, drafted)
+    elif forced_room > 0 and row.is_chain:
+        tokens, extra = _forced(row, rows, matcher, forced_room)
+        if tokens:
+            row, rows = _extend(row, tokens), rows + extra
+    return row, torch.stack(rows)  # [n', V]

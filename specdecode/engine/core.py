@@ -37,6 +37,8 @@ from specdecode.tree import MAX_TREE_NODES
 
 STEP_LOG = os.environ.get("SPECDECODE_STEP_LOG")
 """A file to append one JSON line per batch step to (rows, chosen k, draft and step seconds)."""
+FORCED_DRAFT_MAX = 16
+"""Most grammar-forced tokens appended to a constrained row's chain in one step."""
 CATCH_UP_HORIZON_STEPS = 16
 """Steps over which a draft's catch-up forward is amortised when deciding whether a row drafts."""
 
@@ -291,7 +293,14 @@ class Engine:
             if r.seq.matcher is None:
                 masks.append(None)
                 continue
-            rows[i], mask = constrain_row(rows[i], r.seq.matcher)
+            seq = r.seq
+            room = 0  # forced tokens ride along only where the row speculates, within its context and tokens
+            if r.policy is not None:
+                n = len(rows[i].tokens)
+                left = seq.params.max_tokens - seq.num_output
+                context = self.max_len - len(seq.token_ids) - n
+                room = max(0, min(FORCED_DRAFT_MAX, MAX_TREE_NODES - n, context, left - n))
+            rows[i], mask = constrain_row(rows[i], seq.matcher, room)
             masks.append(mask)
         return masks
 
@@ -338,10 +347,15 @@ class Engine:
         """Adapt: the row's policy learns its acceptance, its proposer what was kept."""
         if r.policy is None:
             return
-        r.policy.observe(v.depth, len(v.nodes))
+        # A chain's nodes past the proposer's own are grammar-forced: the policy and the proposer learn
+        # from the proposer's part only.
+        chain = row.is_chain
+        depth, accepted = (min(v.depth, row.drafted), min(len(v.nodes), row.drafted)) if chain else (
+            v.depth, len(v.nodes))
+        r.policy.observe(depth, accepted)
         if self.proposer is not None and not r.seq.finished:
             own = sum(1 for n in v.nodes if n <= row.drafted)
-            self.proposer.on_verified(r.key, r.seq.view(), len(v.nodes), own)
+            self.proposer.on_verified(r.key, r.seq.view(), accepted, own)
 
     def _log_step(self, lengths: Lengths, rows: list[RowTree], draft_seconds: float) -> None:
         if STEP_LOG is not None:  # diagnosing load-aware drafting: one JSON line per step

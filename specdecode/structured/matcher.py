@@ -35,6 +35,9 @@ class TokenMatcher(Protocol):
     def is_stopped(self) -> bool:
         """Nothing but EOS may follow: the output is complete."""
 
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next (possibly none), as the tokenizer would write them."""
+
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON as `json.dumps` and chat templates write it: one space after ':' and ',', no other blank space (free
@@ -110,6 +113,9 @@ class LLGuidanceMatcher:
 
     def is_accepting(self) -> bool:
         return bool(self._m.is_accepting())
+
+    def forced(self) -> list[int]:
+        return list(self._m.compute_ff_tokens())
 
     @property
     def error(self) -> str:
