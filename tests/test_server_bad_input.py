@@ -129,10 +129,6 @@ BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str | None]] = [
 
 # Fields OpenAI defines that this server does not implement, and fields nobody defines: each is a 400 naming it.
 UNRECOGNIZED: list[tuple[str, Any]] = [
-    ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
-    ("parallel_tool_calls", False),
     ("logit_bias", {"5": 10}),
     ("functions", [{"name": "f"}]),
     ("modalities", ["text"]),
@@ -150,9 +146,17 @@ def test_unrecognized_fields_are_named(server: LiveServer, case: tuple[str, Any]
     assert_error(server.post(COMPLETIONS, json=body), 400, field)
 
 
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "parallel_tool_calls"])
+def test_chat_only_tool_fields_are_unrecognized_on_completions(server: LiveServer, field: str) -> None:
+    value = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
+             "parallel_tool_calls": False}[field]
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 4, field: value}
+    assert_error(server.post(COMPLETIONS, json=body), 400, field)
+
+
 def test_unrecognized_nested_fields_are_named(server: LiveServer) -> None:
-    msgs = [{"role": "user", "content": "hi", "tool_call_id": "x"}]
-    err = assert_error(server.post(CHAT, json={"model": NAME, "messages": msgs}), 400, "messages[0].tool_call_id")
+    msgs = [{"role": "user", "content": "hi", "audio": {"id": "x"}}]
+    err = assert_error(server.post(CHAT, json={"model": NAME, "messages": msgs}), 400, "messages[0].audio")
     assert "Unrecognized request argument" in err["message"]
     body = {"model": NAME, "messages": MSGS, "speculative": {"k": 3}}
     assert_error(server.post(CHAT, json=body), 400, "speculative.k")
