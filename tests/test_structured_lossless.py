@@ -44,8 +44,10 @@ class MarkovGrammar:
         return mask
 
     def consume(self, token: int) -> bool:
+        if token not in ALLOWED[self.path[-1]]:
+            return False  # refused, not consumed (as llguidance's try_consume)
         self.path.append(token)
-        return token in ALLOWED[self.path[-2]]
+        return True
 
     def rollback(self, n: int) -> None:
         del self.path[len(self.path) - n :]

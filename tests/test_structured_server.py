@@ -117,7 +117,8 @@ def test_json_schemas_validate_and_speculation_is_lossless(servers: dict[str, Li
         jsonschema.validate(json.loads(text), schema)
         assert replies["ngram"] == replies["plain"], i
         assert replies["draft"] == replies["plain"], i
-    assert accepted["ngram"] > 0 and accepted["draft"] > 0, accepted  # speculation ran and drafts were kept
+    # Speculation ran and paid: forced tokens ride along every chain, and the draft drafts within the grammar.
+    assert accepted["ngram"] > 100 and accepted["draft"] > 200, accepted
 
 
 def test_vllm_spellings_and_completions(servers: dict[str, LiveServer]) -> None:

@@ -97,7 +97,8 @@ class Sequence:
 
     def view(self) -> SequenceView:
         return SequenceView(
-            self.token_ids, self.prompt_len, self.params, self.generator, self.output_counts, self.prompt_mask
+            self.token_ids, self.prompt_len, self.params, self.generator, self.output_counts, self.prompt_mask,
+            self.matcher,
         )
 
     def append(self, token: int) -> None:

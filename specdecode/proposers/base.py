@@ -17,6 +17,7 @@ from specdecode.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from specdecode.engine.adaptive import CostModel
+    from specdecode.structured.matcher import TokenMatcher
 
 
 @dataclass
@@ -32,6 +33,9 @@ class SequenceView:
     generator: torch.Generator
     output_counts: torch.Tensor | None = None  # [V] occurrences in the output, only with penalties
     prompt_mask: torch.Tensor | None = None  # [V] bool, only with penalties
+    matcher: TokenMatcher | None = None
+    """Structured outputs: the grammar's cursor after token_ids (a drafter may consume along its draft and
+    must roll back what it consumed)."""
 
 
 @dataclass

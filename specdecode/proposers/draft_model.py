@@ -176,8 +176,22 @@ class DraftModelProposer(ProposerDefaults):
         tokens: list[int] = []
         probs_rows: list[torch.Tensor] = []
 
+        matcher = seq.matcher
+        consumed = 0
+
         def pick(row: torch.Tensor) -> int:
-            """The draft's next token from its logits row [V] (one uniform drawn when sampling)."""
+            """The draft's next token from its logits row [V] (one uniform drawn when sampling); under a
+            grammar, from the tokens it allows (any q is lossless; one that follows the grammar is kept)."""
+            nonlocal consumed
+            if matcher is not None:
+                allowed = matcher.allowed().to(row.device)  # [V]
+                row = row[: allowed.shape[0]].masked_fill(~allowed[: row.shape[0]], float("-inf"))
+            token = _pick(row)
+            if matcher is not None and matcher.consume(token):
+                consumed += 1
+            return token
+
+        def _pick(row: torch.Tensor) -> int:
             if params.greedy and not params.has_penalties:
                 return int(row.argmax())
             row_counts = None
@@ -190,6 +204,15 @@ class DraftModelProposer(ProposerDefaults):
             probs_rows.append(probs)
             return int(sample_from_probs(probs, draw_uniforms(1, seq.generator)[0]))
 
+        try:
+            return self._draft_chain(seq, k, logits, tokens, probs_rows, pick, lookup, stochastic)
+        finally:
+            if matcher is not None:
+                matcher.rollback(consumed)
+
+    def _draft_chain(self, seq: SequenceView, k: int, logits: torch.Tensor, tokens: list[int],
+                     probs_rows: list[torch.Tensor], pick: Callable[[torch.Tensor], int],
+                     lookup: tuple[int, int] | None, stochastic: bool) -> Draft:
         tokens.append(pick(logits))
         while len(tokens) < k:
             guess = ngram_match(seq.token_ids + tokens, *lookup, k - len(tokens)) if lookup else []

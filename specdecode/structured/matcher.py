@@ -102,7 +102,9 @@ class LLGuidanceMatcher:
         return torch.from_numpy(mask)
 
     def consume(self, token: int) -> bool:
-        return bool(self._m.consume_token(int(token)))
+        # try_consume leaves a refused token unconsumed; consume_token would put the matcher in an error
+        # state it never leaves (rollback included), and a drafted token may well be refused.
+        return self._m.try_consume_tokens([int(token)]) == 1
 
     def rollback(self, n: int) -> None:
         if n:
