@@ -1,7 +1,7 @@
 """Structured outputs and tool calls through the official `openai` client against a real server on loopback.
 
-A tiny random fp32 Llama (context raised to 2048) served three ways: plain, prompt lookup, and a draft
-model that is the target itself (fixed k=3). Its text is grammar-driven noise, so what is checked is what
+A tiny random fp32 Llama (context raised to 2048) served four ways: plain, prompt lookup, and a draft
+model that is the target itself (fixed k=3), drafting chains or trees. Its text is grammar-driven noise, so what is checked is what
 the grammar guarantees: every output parses and validates against its schema, and greedy outputs with
 speculation equal those without. Tool calls under `required` and a named choice validate against the
 tool's schema, and streamed deltas reassemble to the same call.
@@ -92,7 +92,9 @@ def _serve(model_dir: Path, spec: dict[str, Any] | None) -> LiveServer:
 @pytest.fixture(scope="module")
 def servers(model_dir: Path) -> Iterator[dict[str, LiveServer]]:
     specs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3},
-             "draft": {"method": "draft", "model": str(model_dir), "num_speculative_tokens": 3}}
+             "draft": {"method": "draft", "model": str(model_dir), "num_speculative_tokens": 3},
+             "tree": {"method": "draft", "model": str(model_dir), "num_speculative_tokens": 3,
+                      "draft_tree_width": 2, "draft_tree_branching": 2}}
     live = {name: _serve(model_dir, spec) for name, spec in specs.items()}
     yield live
     for server in live.values():
@@ -117,6 +119,7 @@ def test_json_schemas_validate_and_speculation_is_lossless(servers: dict[str, Li
         jsonschema.validate(json.loads(text), schema)
         assert replies["ngram"] == replies["plain"], i
         assert replies["draft"] == replies["plain"], i
+        assert replies["tree"] == replies["plain"], i
     # Speculation ran and paid: forced tokens ride along every chain, and the draft drafts within the grammar.
     assert accepted["ngram"] > 100 and accepted["draft"] > 200, accepted
 
