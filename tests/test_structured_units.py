@@ -102,3 +102,27 @@ def test_template_format() -> None:
     assert template_format("{{ '<tool_call>' }} {% if tools %}") == ("hermes", True)
     assert template_format("{% if tools %}{{ 'parameters' }}{% endif %}") == ("llama", True)
     assert template_format("{% for m in messages %}{{ m.content }}{% endfor %}") == ("hermes", False)
+
+
+def test_tool_tags_that_are_tokens_are_matched_as_tokens(tiny_llama_dir) -> None:  # noqa: ANN001
+    """Qwen2.5 has <tool_call> as one added token: the grammar names the token, and the model's spelling
+    of a call (the tag token, then JSON as templates write it) is accepted to the end."""
+    pytest.importorskip("llguidance")
+    from specdecode.model.tokenizer import Tokenizer
+    from specdecode.server.protocol import ChatCompletionRequest
+    from specdecode.server.tools import tool_grammar, tool_plan
+    from specdecode.structured.matcher import build_matcher
+
+    tok = Tokenizer.from_dir(tiny_llama_dir)
+    tok.hf.add_tokens(["<tool_call>", "</tool_call>"])
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]})
+    plan = tool_plan(body, tok.hf)
+    assert plan is not None and plan.tags[0].startswith("<[")
+    matcher = build_matcher(tool_grammar(plan), tok, len(tok.hf))
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = tok.hf.encode(text, add_special_tokens=False)
+    assert ids[0] == tok.hf.convert_tokens_to_ids("<tool_call>")
+    assert all(matcher.consume(t) for t in ids) and matcher.is_stopped()
