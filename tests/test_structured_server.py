@@ -1,10 +1,10 @@
 """Structured outputs and tool calls through the official `openai` client against a real server on loopback.
 
 A tiny random fp32 Llama (context raised to 2048) served four ways: plain, prompt lookup, and a draft
-model that is the target itself (fixed k=3), drafting chains or trees. Its text is grammar-driven noise, so what is checked is what
-the grammar guarantees: every output parses and validates against its schema, and greedy outputs with
-speculation equal those without. Tool calls under `required` and a named choice validate against the
-tool's schema, and streamed deltas reassemble to the same call.
+model that is the target itself (fixed k=3), drafting chains or trees. Its text is grammar-driven noise,
+so what is checked is what the grammar guarantees: every output parses and validates against its
+schema, and greedy outputs with speculation equal those without. Tool calls under `required` and a named
+choice validate against the tool's schema, and streamed deltas reassemble to the same call.
 """
 
 from __future__ import annotations
