@@ -3,21 +3,25 @@
 The Markov-chain target of tests/test_engine_lossless.py (logits depend only on the last token), a token
 grammar that allows three of the six tokens after most tokens (a stand-in `TokenMatcher`, so the test sees
 the engine's masking and pruning, not a grammar engine's), a random draft model drafting sampled chains
-(with their probabilities) and trees of point masses, unaware of the grammar. The joint of the first three
+(with their probabilities) and trees of point masses. The joint of the first three
 tokens must pass a chi-square test against the exact constrained chain (each row masked, renormalised
 after temperature and top-p). One token forces the next, so drafts also carry grammar-forced nodes.
-The negative control applies the grammar's mask at the root of each draft only, so the target's
-distributions deeper in the draft (acceptance, residuals, bonus token) are unconstrained: it must fail
-(forbidden sequences, or a failing chi-square).
+The draft sees the grammar (its q masked) or not (its forbidden tokens cut by the engine). Two negative
+controls must fail: dropping a sampled chain's forbidden token (the next token then comes from the masked
+target p instead of the residual max(p - q, 0): same support, wrong law, caught by the chi-square), and
+applying the grammar's mask at the root of each draft only (the target's distributions deeper in the
+draft are unconstrained: forbidden sequences, or a failing chi-square).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 from stat_helpers import chi_square_pvalue, histogram, markov_joint
-from test_engine_lossless import DRAFT, NUM_EMITTED, PARAMS, PROMPT, TARGET, VOCAB, _NoText, _transition_logits
+from test_engine_lossless import DRAFT, NUM_EMITTED, PROMPT, TARGET, VOCAB, _NoText, _transition_logits
 
 from specdecode.engine import constrain
 from specdecode.engine.core import Engine
@@ -27,6 +31,8 @@ from specdecode.proposers.rows import RowProposers
 from specdecode.sampling import SamplingParams
 
 NUM_REQUESTS = 1000
+PARAMS = dict(temperature=1.5, top_p=0.95, max_tokens=4, ignore_eos=True)
+"""Flat enough that the masked target is rarely a point mass (where residual and target coincide)."""
 P_THRESHOLD = 1e-3
 ALLOWED = {0: (1, 2, 4), 1: (0, 3, 5), 2: (1, 2, 3), 3: (0, 4, 5), 4: (2, 3, 5), 5: (0,)}
 """Tokens the grammar allows after each token; after 5 it forces 0 (a forced draft token)."""
@@ -65,7 +71,11 @@ class MarkovGrammar:
         return forced
 
 
-def _sample(tree_width: int, k: int) -> np.ndarray:
+def _sample(tree_width: int, k: int, monkeypatch: pytest.MonkeyPatch | None = None) -> np.ndarray:
+    """`monkeypatch` given: the draft does not see the grammar (its forbidden tokens are cut by the engine)."""
+    if monkeypatch is not None:
+        view = Sequence.view
+        monkeypatch.setattr(Sequence, "view", lambda self: dataclasses.replace(view(self), matcher=None))
     proposer = RowProposers(lambda: DraftModelProposer(DRAFT, 32, tree_width=tree_width, tree_branching=2))
     engine = Engine(TARGET, 32, proposer, k_max=k, fixed_k=k, max_num_seqs=16, max_waiting=None)
     seqs = [Sequence(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), _NoText(), VOCAB, torch.device("cpu"), 0,
@@ -91,6 +101,28 @@ def _exact() -> np.ndarray:
 def test_constrained_speculative_sampling_is_lossless(tree_width: int, k: int) -> None:
     p = chi_square_pvalue(_sample(tree_width, k), _exact())
     assert p > P_THRESHOLD, p
+
+
+def test_grammar_unaware_sampled_draft_is_lossless(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = chi_square_pvalue(_sample(1, 2, monkeypatch), _exact())
+    assert p > P_THRESHOLD, p
+
+
+def test_negative_control_dropping_a_forbidden_sampled_token_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cutting a sampled chain before its forbidden token makes the next token come from p instead of the
+    residual max(p - q, 0) of the distribution the token was drawn from: same support, wrong law."""
+    real = constrain._walk_sampled_chain
+
+    def drop_forbidden(row, matcher):  # noqa: ANN001, ANN202
+        kept, masks = real(row, matcher)
+        last = kept[-1]
+        if len(kept) > 1 and not bool(masks[kept[-2]][row.tokens[last]]):
+            kept = kept[:-1]
+        return kept, masks
+
+    monkeypatch.setattr(constrain, "_walk_sampled_chain", drop_forbidden)
+    p = chi_square_pvalue(_sample(1, 2, monkeypatch), _exact())
+    assert p < P_THRESHOLD, p
 
 
 def test_negative_control_mask_at_the_root_only_fails(monkeypatch: pytest.MonkeyPatch) -> None:
