@@ -138,6 +138,8 @@ def test_vllm_spellings_and_completions(servers: dict[str, LiveServer]) -> None:
     r = client.chat.completions.create(**{**chat, "max_tokens": 200}, response_format={"type": "json_object"})
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
+    plain = client.chat.completions.create(**chat).choices[0].message.content
+    assert client.chat.completions.create(**chat, response_format={"type": "text"}).choices[0].message.content == plain
     c = client.completions.create(model=NAME, prompt="x =", temperature=0, max_tokens=40,
                                   extra_body={"response_format": {"type": "json_schema",
                                                                   "json_schema": {"name": "s", "schema": SCHEMAS[4]}}})
