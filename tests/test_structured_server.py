@@ -133,6 +133,8 @@ def test_vllm_spellings_and_completions(servers: dict[str, LiveServer]) -> None:
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.choices[0].message.content)
     r = client.chat.completions.create(**chat, extra_body={"structured_outputs": {"grammar": 'start: "ok" | "no"'}})
     assert r.choices[0].message.content in ("ok", "no")
+    r = client.chat.completions.create(**chat, extra_body={"guided_grammar": 'root ::= "yes" | "maybe"'})  # GBNF
+    assert r.choices[0].message.content in ("yes", "maybe")
     r = client.chat.completions.create(**chat, extra_body={"guided_json": SCHEMAS[1]})
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[1])
     r = client.chat.completions.create(**{**chat, "max_tokens": 200}, response_format={"type": "json_object"})
