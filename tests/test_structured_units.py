@@ -126,3 +126,22 @@ def test_tool_tags_that_are_tokens_are_matched_as_tokens(tiny_llama_dir) -> None
     ids = tok.hf.encode(text, add_special_tokens=False)
     assert ids[0] == tok.hf.convert_tokens_to_ids("<tool_call>")
     assert all(matcher.consume(t) for t in ids) and matcher.is_stopped()
+
+
+def test_python_api_structured_outputs(tiny_llama_dir) -> None:  # noqa: ANN001
+    """`SamplingParams(structured_outputs=...)` through `LLM.generate`: the regex holds, and prompt lookup
+    gives plain decoding's tokens."""
+    pytest.importorskip("llguidance")
+    import re
+
+    from specdecode import LLM
+
+    params = SamplingParams(max_tokens=40, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}( [0-9]{1,3}){2}"))
+    prompts = ["def add(a, b):", "The quick brown"]
+    plain = LLM(str(tiny_llama_dir), dtype="fp32").generate(prompts, params)
+    spec = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    fast = spec.generate(prompts, params)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
+    for o in plain:
+        assert re.fullmatch("[a-z]{2,6}( [0-9]{1,3}){2}", o.text) and o.finish_reason == "stop", o.text
