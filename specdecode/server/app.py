@@ -47,7 +47,7 @@ from specdecode.server.protocol import (
     SpeculativeUsage,
     Usage,
 )
-from specdecode.server.structured import structured_params
+from specdecode.server.structured import structured_params, warm_grammar_engine
 from specdecode.server.tokenize_routes import tokenizer_router
 from specdecode.server.tool_stream import tool_events
 from specdecode.server.tools import ToolPlan, chat_messages, tool_grammar, tool_plan, tool_reply
@@ -239,6 +239,7 @@ class _Server:
         self.vocab_size = llm.target.config.vocab_size
         self.created = int(time.time())
         self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdecode-tokenize")
+        self.tokenize_pool.submit(warm_grammar_engine, llm.tokenizer, self.vocab_size)  # off the event loop
 
     # ---- request preparation --------------------------------------------------------------------------
 

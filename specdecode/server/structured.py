@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from specdecode.model.tokenizer import Tokenizer
 from specdecode.server.errors import APIError
 from specdecode.server.protocol import _StructuredFields
 from specdecode.structured import StructuredOutputsParams
@@ -71,3 +72,14 @@ def structured_params(body: _StructuredFields, tools: StructuredOutputsParams | 
         return StructuredOutputsParams(grammar=body.guided_grammar)
     except ValueError as exc:
         raise APIError(400, str(exc), field) from None
+
+
+def warm_grammar_engine(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Build the grammar engine's view of the tokenizer (seconds on a large vocabulary) before the first
+    constrained request needs it; nothing without the grammar engine installed."""
+    from specdecode.structured.matcher import ll_tokenizer
+
+    try:
+        ll_tokenizer(tokenizer, vocab_size)
+    except ValueError:  # llguidance is not installed: constrained requests will say so
+        pass
