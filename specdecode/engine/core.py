@@ -54,6 +54,16 @@ class Running:
     k_override: int | None = None
 
 
+@dataclass
+class _Prefilled:
+    """A prompt's prefill, reusable by the other choices of the same request within one admission."""
+
+    source: Running
+    hidden: torch.Tensor  # [1, P, D]
+    features: torch.Tensor  # what head proposers read: hidden, or the layers the forward captured
+    logits: torch.Tensor  # [1, V] at the prompt's last position
+
+
 class Engine:
     """Owns the target's KV cache: the only place that changes its lengths."""
 
@@ -161,6 +171,7 @@ class Engine:
 
     def _admit(self) -> list[Sequence]:
         admitted = []
+        shared: dict[object, _Prefilled] = {}  # this admission's prefills, by prefill group
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq, k_override = self.waiting.popleft()
             self.reserve(len(self.running) + 1)
@@ -168,7 +179,7 @@ class Engine:
             policy = self._policy(k_override) if drafts else None
             r = Running(seq, next(self._keys), policy, k_override)
             self.running.append(r)
-            self._prefill(r, len(self.running) - 1)
+            self._prefill(r, len(self.running) - 1, shared)
             admitted.append(seq)
             if seq.finished:
                 self._release(len(self.running) - 1)
@@ -181,20 +192,30 @@ class Engine:
         assert self.row_cost is not None, "an adaptive draft length needs the measured cost (measure_cost)"
         return AdaptiveK(self.row_cost)
 
-    def _prefill(self, r: Running, row: int) -> None:
+    def _prefill(self, r: Running, row: int, shared: dict[object, _Prefilled]) -> None:
         t0 = time.perf_counter()
         seq = r.seq
         assert self.cache is not None
-        dev = self.target.device
-        ids = torch.tensor([seq.token_ids], device=dev)
-        pos = torch.arange(len(seq.token_ids), device=dev).unsqueeze(0)
-        hidden = self.target(ids, pos, self.cache.rows(row, row + 1))  # [1, P, D]
-        logits = self.target.compute_logits(hidden[0, -1:])  # the output matrix is the largest: last row only
+        group = seq.prefill_group
+        done = shared.get(group) if group is not None else None
+        if done is not None and done.source in self.running and done.source.seq.token_ids == seq.token_ids:
+            # A sibling choice of the same prompt: copy its prompt's KV instead of running the prompt again.
+            self.cache.copy_prefix(self.running.index(done.source), row, seq.prompt_len)
+            hidden, features, logits = done.hidden, done.features, done.logits
+        else:
+            dev = self.target.device
+            ids = torch.tensor([seq.token_ids], device=dev)
+            pos = torch.arange(len(seq.token_ids), device=dev).unsqueeze(0)
+            hidden = self.target(ids, pos, self.cache.rows(row, row + 1))  # [1, P, D]
+            features = hidden if self.target.captured is None else self.target.captured
+            logits = self.target.compute_logits(hidden[0, -1:])  # the output matrix is the largest: last row only
+            if group is not None:
+                shared[group] = _Prefilled(r, hidden, features, logits)
         self.cache.set_length(row, seq.prompt_len)
         if r.policy is not None:
             assert self.proposer is not None
             self.proposer.begin(r.key, seq.view())
-            self._share_hidden(r, hidden, 0, slice(None))
+            self._share_hidden(r, hidden, 0, slice(None), features)
         start_sequence(seq, logits, t0)
 
     def _release(self, row: int) -> None:
@@ -208,11 +229,14 @@ class Engine:
         self.cache.lengths[last] = 0
         self.running.pop()
 
-    def _share_hidden(self, r: Running, hidden: torch.Tensor, row: int, index: slice | list[int]) -> None:
+    def _share_hidden(self, r: Running, hidden: torch.Tensor, row: int, index: slice | list[int],
+                      features: torch.Tensor | None = None) -> None:
         """Head proposers read the target's features of the positions just kept: from the forward's final-norm
-        output hidden [B, T, D], or from the layers it captured for a fused-feature head."""
+        output hidden [B, T, D], or from the layers it captured for a fused-feature head (`features`: those
+        of an earlier forward)."""
         if self.proposer is not None and self.proposer.capabilities.target_hidden:
-            source = hidden if self.target.captured is None else self.target.captured
+            source = features if features is not None else (
+                hidden if self.target.captured is None else self.target.captured)
             self.proposer.observe_hidden(r.key, source[row, index])
 
     # ---- one step -------------------------------------------------------------------------------------
@@ -304,8 +328,8 @@ class Engine:
             self.cache.set_length(i, start + 1 + len(v.nodes))  # the pending token and the accepted drafts
             self._share_hidden(r, hidden, i, [0, *v.nodes])
             emitted = 0
-            for tok in v.tokens:
-                seq.append(tok)
+            for j, tok in enumerate(v.tokens):
+                seq.append(tok, None if v.logprobs is None else v.logprobs[j])
                 emitted += 1
                 if seq.finished:
                     break

@@ -178,7 +178,7 @@ class DraftModelProposer(ProposerDefaults):
 
         def pick(row: torch.Tensor) -> int:
             """The draft's next token from its logits row [V] (one uniform drawn when sampling)."""
-            if params.greedy and not params.has_penalties:
+            if params.raw_argmax:
                 return int(row.argmax())
             row_counts = None
             if counts is not None:
