@@ -12,7 +12,6 @@ request aborted, which frees its cache row before the next step.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -26,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from specdecode.engine.core import Engine as BatchEngine
 from specdecode.engine.core import QueueFullError
@@ -34,8 +33,9 @@ from specdecode.engine.llm import LLM
 from specdecode.engine.sequence import Sequence
 from specdecode.sampling import SamplingParams
 from specdecode.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, Update
-from specdecode.server.errors import APIError
+from specdecode.server.errors import APIError, error_body
 from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
+from specdecode.server.middleware import MAX_BODY_BYTES, AuthMiddleware, BodyLimitMiddleware
 from specdecode.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -54,12 +54,8 @@ logger = logging.getLogger("specdecode.server")
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request gives none: the remaining context, capped here (vLLM takes the whole remaining
 context, which on an 8k context makes one forgotten field cost minutes of compute)."""
-MAX_BODY_BYTES = 1 << 20
 RETRY_AFTER_S = 1
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable_error"}
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
@@ -68,115 +64,12 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "rep
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
-    err_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code if code else status}}
 
 
 def error_response(metrics: ServerMetrics, status: int, message: str, param: str | None = None,
                    code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     metrics.request_errors.labels(code=str(status)).inc()
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
-
-
-# ---- pure ASGI middlewares (run before FastAPI parses anything) -------------------------------------------
-
-
-async def _send_json(send: Send, status: int, body: dict, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    raw = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
-                            *(headers or [])]})
-    await send({"type": "http.response.body", "body": raw})
-
-
-class AuthMiddleware:
-    """With an API key, every path but /health needs `Authorization: Bearer KEY` (else a 401)."""
-
-    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
-        self.app, self.expected, self.metrics = app, f"Bearer {api_key}".encode(), metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            self.metrics.request_errors.labels(code="401").inc()
-            message = "missing or invalid API key: send 'Authorization: Bearer <key>'"
-            return await _send_json(send, 401, error_body(401, message, None, "invalid_api_key"),
-                                    [(b"www-authenticate", b"Bearer")])
-        return await self.app(scope, receive, send)
-
-
-DRAIN_LIMIT = 16 << 20
-"""A refused body declared at most this large is read (and dropped) before the 413: closing a connection with
-unread data resets it, and the client may then see "connection reset" instead of the 413 (nginx's lingering
-close does the same)."""
-
-
-async def _drain(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            return
-
-
-class BodyLimitMiddleware:
-    """Refuse request bodies over `limit` bytes with a 413, by Content-Length or while reading a chunked body.
-
-    POST bodies are read as JSON whatever their Content-Type (the API takes nothing else).
-    """
-
-    def __init__(self, app: ASGIApp, limit: int, metrics: ServerMetrics) -> None:
-        self.app, self.limit, self.metrics = app, limit, metrics
-
-    async def _refuse(self, send: Send) -> None:
-        self.metrics.request_errors.labels(code="413").inc()
-        await _send_json(send, 413, error_body(413, f"request body larger than {self.limit} bytes", None,
-                                               "request_too_large"), [(b"connection", b"close")])
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if scope["method"] == "POST":
-            # Every body this API takes is JSON: read it as JSON whatever the Content-Type says (curl -d sends
-            # application/x-www-form-urlencoded), so the client gets a useful error about its content.
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                declared = self.limit + 1
-            if declared > self.limit:
-                if declared <= DRAIN_LIMIT:
-                    await _drain(receive)
-                return await self._refuse(send)
-            return await self.app(scope, receive, send)
-        # No length given (chunked): read the body here, up to the limit, and replay it.
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # disconnected
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return await self._refuse(send)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
 
 
 class _SSEResponse(StreamingResponse):
