@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.engine.core import Engine as BatchEngine
+from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.sequence import Sequence
 from specdecode.metrics import SpecStats
 from specdecode.server.metrics import ServerMetrics, snapshot
@@ -44,6 +45,8 @@ class Update:
     """``SpecStats.to_dict()`` of the request; set on the final update."""
     error: str | None = None
     """Set when the engine failed this request (the server turns it into a 500-style error)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Logprobs of the tokens generated since the last update, when the request asks for them."""
 
 
 class RequestStream:
@@ -85,6 +88,7 @@ class _Live:
     spec: SpecStats | None = None
     first_token_seen: bool = False
     seen_step: int = field(default=-1)
+    sent_logprobs: int = 0
 
 
 _STOP = object()
@@ -223,6 +227,9 @@ class AsyncEngine:
             if not (text or seq.finished):
                 continue
             update = Update(text, seq.num_output, seq.prompt_len, seq.finished, seq.finish_reason)
+            if seq.logprobs is not None:
+                update.logprobs = seq.logprobs[live.sent_logprobs :]
+                live.sent_logprobs = len(seq.logprobs)
             if seq.finished:
                 del self._live[seq.request_id]
                 update.stats = seq.stats.to_dict()
