@@ -70,7 +70,9 @@ def completion_logprobs(entries: list[TokenLogprob], text: TokenText, offset: in
         token = text(e.token_id)[0]
         tokens.append(token)
         token_logprobs.append(e.logprob)
-        top = {text(t)[0]: lp for t, lp in e.top}
+        top: dict[str, float] = {}
+        for t, lp in e.top:  # tokens with the same string (parts of characters): the likeliest stays
+            top.setdefault(text(t)[0], lp)
         top.setdefault(token, e.logprob)
         tops.append(top)
         offsets.append(offset)
