@@ -198,9 +198,10 @@ class Engine:
         assert self.cache is not None
         group = seq.prefill_group
         done = shared.get(group) if group is not None else None
-        if done is not None and done.source in self.running and done.source.seq.token_ids == seq.token_ids:
+        src = -1 if done is None else next((i for i, x in enumerate(self.running) if x is done.source), -1)
+        if done is not None and src >= 0 and done.source.seq.token_ids[: seq.prompt_len] == seq.token_ids:
             # A sibling choice of the same prompt: copy its prompt's KV instead of running the prompt again.
-            self.cache.copy_prefix(self.running.index(done.source), row, seq.prompt_len)
+            self.cache.copy_prefix(src, row, seq.prompt_len)
             hidden, features, logits = done.hidden, done.features, done.logits
         else:
             dev = self.target.device

@@ -1,0 +1,81 @@
+"""The processors and reports behind the request surface: logit_bias, min_tokens, processed logprobs (pure), and
+choices of one prompt sharing its prefill in the engine."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.engine.logprobs import mask_early_stops, token_logprobs
+from specdecode.sampling import LOGPROB_FLOOR, logits_to_probs, processed_logprobs
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])  # [1, 5]
+
+
+def test_logit_bias_shifts_raw_logits_before_everything() -> None:
+    forced = logits_to_probs(LOGITS, SamplingParams(temperature=0, logit_bias={3: 100}))
+    assert forced.argmax().item() == 3
+    banned = logits_to_probs(LOGITS, SamplingParams(temperature=1.0, logit_bias={0: -100}))
+    assert banned[0, 0] < 1e-30 and math.isclose(banned.sum().item(), 1.0, rel_tol=1e-6)
+    assert SamplingParams(logit_bias={4: 1.5, 1: -2}).logit_bias == ((1, -2.0), (4, 1.5))
+    for bad in ({1: 101}, {-1: 0}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+
+
+def test_min_tokens_masks_stops_only_before_the_minimum() -> None:
+    params = SamplingParams(min_tokens=3, stop_token_ids=(1,))
+    logits = LOGITS.expand(4, -1)  # nodes at depths 0..3 of a chain
+    out = mask_early_stops(logits, params, eos_token_id=0, num_output=1, depth=torch.arange(4))
+    # Node d gives output token 1 + d + 1: tokens 2 and 3 may not stop, tokens 4 and 5 may.
+    assert torch.isinf(out[:2, [0, 1]]).all() and torch.isfinite(out[2:]).all()
+    assert mask_early_stops(logits, params, 0, 3, torch.arange(4)) is logits
+    ignoring = SamplingParams(min_tokens=3, ignore_eos=True)
+    assert torch.isfinite(mask_early_stops(logits, ignoring, 0, 0, torch.arange(4))[:, 0]).all()
+
+
+def test_processed_logprobs_follow_the_sampling_distribution() -> None:
+    greedy = processed_logprobs(LOGITS, SamplingParams(temperature=0))
+    assert torch.allclose(greedy, torch.log_softmax(LOGITS, -1))  # temperature 1: informative, top-1 = argmax
+    params = SamplingParams(temperature=0.5, top_k=3)
+    lp = processed_logprobs(LOGITS, params)
+    assert torch.allclose(lp.exp(), logits_to_probs(LOGITS, params), atol=1e-7)
+    assert torch.isinf(lp[0, [3, 4]]).all()
+    entries = token_logprobs(LOGITS, params, [3], None, None)  # an excluded token is reported at the floor
+    assert entries[0].logprob == LOGPROB_FLOOR and [t for t, _ in entries[0].top] == []
+    entries = token_logprobs(LOGITS, SamplingParams(temperature=0.5, top_k=3, logprobs=2), [1], None, None)
+    assert [t for t, _ in entries[0].top] == [0, 1] and entries[0].top[1][1] == entries[0].logprob
+
+
+def test_choices_of_one_prompt_share_one_prefill(tiny_llama_dir: Path) -> None:
+    torch.set_num_threads(1)
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", max_model_len=128)
+    prompt = llm.tokenizer.encode("def add(a, b):")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = llm.generate(prompt, params)[0].token_ids
+    model = llm.target.model
+    prompt_forwards = 0
+    forward = model.forward
+
+    def counting(ids: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+        nonlocal prompt_forwards
+        prompt_forwards += int(ids.shape[1] == len(prompt))
+        return forward(ids, *args, **kw)
+
+    group = object()
+    seqs = [llm.new_sequence(prompt, params) for _ in range(3)]
+    for s in seqs:
+        s.prefill_group = group
+    model.forward = counting  # type: ignore[method-assign]
+    try:
+        llm.run_sequences(seqs)
+    finally:
+        del model.forward
+    assert prompt_forwards == 1
+    assert all(s.output_ids == want for s in seqs)
