@@ -11,6 +11,8 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.logprobs import mask_early_stops, token_logprobs
+from specdecode.heads.persist import new_head, save_head
+from specdecode.model.load import load_model
 from specdecode.sampling import LOGPROB_FLOOR, logits_to_probs, processed_logprobs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])  # [1, 5]
@@ -53,12 +55,20 @@ def test_processed_logprobs_follow_the_sampling_distribution() -> None:
     assert [t for t, _ in entries[0].top] == [0, 1] and entries[0].top[1][1] == entries[0].logprob
 
 
-def test_choices_of_one_prompt_share_one_prefill(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("method", [None, "eagle", "medusa"])
+def test_choices_of_one_prompt_share_one_prefill(tiny_llama_dir: Path, tmp_path: Path, method: str | None) -> None:
+    """Every choice decodes as a lone request would, drafts and acceptance included (a head reads the copied
+    prefill's features), and the prompt runs through the target once."""
     torch.set_num_threads(1)
-    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", max_model_len=128)
+    spec = None
+    if method is not None:
+        target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
+        save_head(new_head(target, method, torch.arange(0, target.config.vocab_size, 2), seed=5), tmp_path)
+        spec = {"method": method, "model": str(tmp_path), "num_speculative_tokens": 3, "draft_tree_width": 1}
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", max_model_len=128, speculative_config=spec)
     prompt = llm.tokenizer.encode("def add(a, b):")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    want = llm.generate(prompt, params)[0].token_ids
+    lone = llm.run_sequences([llm.new_sequence(prompt, params)])[0]
     model = llm.target.model
     prompt_forwards = 0
     forward = model.forward
@@ -78,4 +88,8 @@ def test_choices_of_one_prompt_share_one_prefill(tiny_llama_dir: Path) -> None:
     finally:
         del model.forward
     assert prompt_forwards == 1
-    assert all(s.output_ids == want for s in seqs)
+    for s in seqs:
+        assert s.output_ids == lone.output_ids
+        assert s.stats.to_dict()["accepted_tokens"] == lone.stats.to_dict()["accepted_tokens"]
+    if method is not None:
+        assert lone.stats.to_dict()["draft_tokens"] > 0
