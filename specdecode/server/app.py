@@ -70,8 +70,6 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "rep
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 
-
-
 def error_response(metrics: ServerMetrics, status: int, message: str, param: str | None = None,
                    code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     metrics.request_errors.labels(code=str(status)).inc()
