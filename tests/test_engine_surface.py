@@ -73,10 +73,10 @@ def test_choices_of_one_prompt_share_one_prefill(tiny_llama_dir: Path, tmp_path:
     prompt_forwards = 0
     forward = model.forward
 
-    def counting(ids: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+    def counting(ids: torch.Tensor, positions: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
         nonlocal prompt_forwards
-        prompt_forwards += int(ids.shape[1] == len(prompt))
-        return forward(ids, *args, **kw)
+        prompt_forwards += int(positions[0, 0] == 0)  # a prefill starts at position 0
+        return forward(ids, positions, *args, **kw)
 
     group = object()
     seqs = [llm.new_sequence(prompt, params) for _ in range(3)]

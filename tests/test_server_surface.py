@@ -202,7 +202,19 @@ def test_python_api_logprobs_with_speculation(tiny_llama_dir: Path, ref: LLM) ->
 def test_n_choices_share_the_prompt(server: LiveServer, ref: LLM) -> None:
     # Greedy: every choice is plain decoding's answer (the copied prefill is the prompt's).
     want = ref.chat(msgs("add print"), SamplingParams(max_tokens=20, temperature=0))[0]
-    got = chat(server, "add print", n=3, max_tokens=20, temperature=0)
+    model = server.app.state.server.llm.target.model
+    forward, prefills = model.forward, []
+
+    def counting(ids: torch.Tensor, positions: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        prefills.append(int(positions[0, 0] == 0))  # a prefill starts at position 0
+        return forward(ids, positions, *args, **kw)
+
+    model.forward = counting
+    try:
+        got = chat(server, "add print", n=3, max_tokens=20, temperature=0)
+    finally:
+        del model.forward
+    assert sum(prefills) == 1  # the prompt ran once for the three choices
     assert [c.index for c in got.choices] == [0, 1, 2]
     assert all(c.message.content == want.text for c in got.choices)
     assert got.usage.prompt_tokens == len(ref.chat_prompt_ids(msgs("add print")))

@@ -35,7 +35,7 @@ from specdecode.engine.llm import LLM
 from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.sequence import Sequence
 from specdecode.sampling import SamplingParams
-from specdecode.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, Update
+from specdecode.server.async_engine import AsyncEngine, EngineDeadError, Update
 from specdecode.server.choices import ChoiceGroup
 from specdecode.server.errors import APIError, error_body
 from specdecode.server.logprobs_format import TokenText, chat_logprobs, completion_logprobs
@@ -215,22 +215,11 @@ class _Server:
         return out
 
     async def _submit(self, body: ChatCompletionRequest | CompletionRequest, seqs: list[Sequence]) -> ChoiceGroup:
-        streams: list[RequestStream] = []
-        try:
-            for seq in seqs:
-                streams.append(await self._submit_one(body, seq))
-        except BaseException:
-            for submitted in streams:  # a refused or cancelled choice: drop the others too
-                submitted.close()
-            raise
-        return ChoiceGroup(streams)
-
-    async def _submit_one(self, body: ChatCompletionRequest | CompletionRequest, seq: Sequence) -> RequestStream:
         spec = body.speculative
         k = spec.num_speculative_tokens if spec is not None else None
         k_override = k if isinstance(k, int) else None
         try:
-            return await self.engine.add(seq, k_override)
+            return ChoiceGroup(await self.engine.add_group(seqs, k_override))
         except QueueFullError as exc:
             raise APIError(429, f"the server is busy ({exc}); retry later", None, "rate_limit_exceeded",
                            {"Retry-After": str(RETRY_AFTER_S)}) from None
