@@ -86,6 +86,7 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
     ("too many stops", {"stop": [str(i) for i in range(40)]}, "stop"),
     ("stream as string", {"stream": "yes"}, "stream"),
     ("n 99", {"n": 99}, "n"),
+    ("n over the queue", {"n": 5}, "n"),
     ("unknown model", {"model": "gpt-4o"}, "model"),
     ("model as number", {"model": 3}, "model"),
     ("empty messages", {"messages": []}, "messages"),

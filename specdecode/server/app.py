@@ -218,6 +218,9 @@ class _Server:
         spec = body.speculative
         k = spec.num_speculative_tokens if spec is not None else None
         k_override = k if isinstance(k, int) else None
+        queue = self.engine.engine.max_waiting
+        if queue is not None and len(seqs) > queue:  # could never be queued: a 429 would be retried forever
+            raise APIError(400, f"n ({len(seqs)}) exceeds the requests this server queues at once ({queue})", "n")
         try:
             return ChoiceGroup(await self.engine.add_group(seqs, k_override))
         except QueueFullError as exc:
