@@ -150,6 +150,11 @@ def test_greedy_logprobs_equal_plain_decoding(server: LiveServer, ref: LLM, cont
             assert abs(c.logprob - w.logprob) <= TOL
             assert [t.token for t in c.top_logprobs] == [text(t)[0] for t, _ in w.top]
             assert all(abs(t.logprob - lp) <= TOL for t, (_, lp) in zip(c.top_logprobs, w.top, strict=True))
+    chunks = list(chat(server, content, max_tokens=24, temperature=0, logprobs=True, top_logprobs=4, stream=True))
+    streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [c.bytes for c in streamed] == [c.bytes for c in on.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([w.logprob for w in want.logprobs], abs=TOL)
     # Completions: the legacy shape, and the same numbers streamed.
     client = server.openai()
     got = client.completions.create(model=NAME, prompt="for i in", max_tokens=16, temperature=0, logprobs=3)
