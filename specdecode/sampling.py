@@ -148,9 +148,11 @@ def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
 def suppress_tokens(logits: torch.Tensor, token_ids: list[int], rows: torch.Tensor) -> torch.Tensor:
     """-inf at `token_ids` in the rows where `rows` [N] is True (min_tokens: no stop before the minimum).
     logits [N, V] -> [N, V], out of place; a row with nothing to mask is unchanged."""
+    vocab = logits.shape[-1]
+    token_ids = [t for t in token_ids if 0 <= t < vocab]  # a stop id outside the vocabulary is never generated
     if not token_ids or not bool(rows.any()):
         return logits
-    ban = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    ban = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
     ban[torch.tensor(token_ids, device=logits.device)] = True
     return logits.masked_fill(rows.to(logits.device)[:, None] & ban, float("-inf"))
 

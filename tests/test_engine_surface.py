@@ -38,6 +38,9 @@ def test_min_tokens_masks_stops_only_before_the_minimum() -> None:
     # Node d gives output token 1 + d + 1: tokens 2 and 3 may not stop, tokens 4 and 5 may.
     assert torch.isinf(out[:2, [0, 1]]).all() and torch.isfinite(out[2:]).all()
     assert mask_early_stops(logits, params, 0, 3, torch.arange(4)) is logits
+    beyond = SamplingParams(min_tokens=3, stop_token_ids=(10**6,))  # outside the vocabulary: nothing to mask
+    masked = mask_early_stops(logits, beyond, 0, 0, torch.arange(4))
+    assert torch.isinf(masked[:3, 0]).all() and torch.isfinite(masked[3]).all()
     ignoring = SamplingParams(min_tokens=3, ignore_eos=True)
     assert torch.isfinite(mask_early_stops(logits, ignoring, 0, 0, torch.arange(4))[:, 0]).all()
 

@@ -271,6 +271,8 @@ def test_min_tokens_holds_back_eos(server: LiveServer, ref: LLM) -> None:
     assert want.token_ids[-1] == eos and len(want.token_ids) == 6
     assert late.choices[0].message.content == want.text
     assert token_ids(ref, late.choices[0].logprobs.content) == want.token_ids
+    beyond = chat(server, "hello", max_tokens=4, extra_body={"min_tokens": 2, "stop_token_ids": [10**6]})
+    assert beyond.usage.completion_tokens >= 2  # a stop id outside the vocabulary has nothing to mask
     capped = chat(server, "hello", max_completion_tokens=3, max_tokens=50, temperature=0,
                   extra_body={"ignore_eos": True})
     assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length"
