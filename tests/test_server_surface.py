@@ -72,6 +72,7 @@ def chain_server(tiny_llama_dir: Path) -> Iterator[LiveServer]:
 @pytest.fixture(scope="module")
 def tree_server(tiny_llama_dir: Path) -> Iterator[LiveServer]:
     s = _draft_server(tiny_llama_dir, draft_tree_width=2)
+    s.tree = True  # type: ignore[attr-defined]  # its seeded samples may differ between runs (docs/serving.md)
     yield s
     s.stop()
 
@@ -225,20 +226,22 @@ def test_n_choices_share_the_prompt(server: LiveServer, ref: LLM) -> None:
     assert got.usage.prompt_tokens == len(ref.chat_prompt_ids(msgs("add print")))
     assert got.usage.completion_tokens == 3 * len(want.token_ids)
     # Sampled: distinct choices, reproducible with the seed, streamed as the same choices.
-    kw: dict[str, Any] = dict(n=3, max_tokens=12, temperature=1.0, seed=5, logprobs=True)
+    exact = not getattr(server, "tree", False)  # a dynamic tree's seeded sample may change between runs
+    kw: dict[str, Any] = dict(n=3, max_tokens=12, temperature=1.0, seed=5, logprobs=True,
+                              extra_body={"ignore_eos": True})
     a, b = chat(server, "hello", **kw), chat(server, "hello", **kw)
     texts = [c.message.content for c in a.choices]
-    assert texts == [c.message.content for c in b.choices] and len(set(texts)) > 1
-    assert a.usage.completion_tokens == sum(len(c.logprobs.content) for c in a.choices)
+    assert len(set(texts)) > 1 and (texts == [c.message.content for c in b.choices] or not exact)
+    assert a.usage.completion_tokens == sum(len(c.logprobs.content) for c in a.choices) == 36
     chunks = list(chat(server, "hello", stream=True, stream_options={"include_usage": True}, **kw))
     streamed = ["", "", ""]
     for c in chunks:
         for choice in c.choices:
             streamed[choice.index] += choice.delta.content or ""
-    assert streamed == texts
+    assert streamed == texts or not exact
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(finals) == 3
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == a.usage.completion_tokens
+    assert finals == ["length"] * 3
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 36
     assert chunks[-1].usage.prompt_tokens == a.usage.prompt_tokens
     done = server.openai().completions.create(model=NAME, prompt="x = ", n=2, best_of=2, max_tokens=5, seed=1)
     assert len(done.choices) == 2 and done.usage.completion_tokens <= 10
