@@ -69,6 +69,23 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
     return cfg or None
 
 
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """Prefix caching and chunked prefill (`LLM(enable_prefix_caching=, prefix_cache_gb=, max_num_batched_tokens=)`)."""
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="prefill every prompt in full (default: reuse the K/V of earlier prompts and answers that "
+                        "start the same, e.g. a shared system prompt or the earlier turns of a chat)")
+    p.add_argument("--prefix-cache-gb", type=float, default=1.0,
+                   help="memory bound of the prefix cache's pool in GiB (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="prompt tokens prefilled per step while other requests decode; a longer prompt is "
+                        "prefilled in chunks between their steps; 0 = whole prompts (default: %(default)s)")
+
+
+def cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"enable_prefix_caching": not args.no_prefix_caching, "prefix_cache_gb": args.prefix_cache_gb,
+            "max_num_batched_tokens": args.max_num_batched_tokens}
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="cap on generated tokens (default: until EOS or the end of the context)")

@@ -298,7 +298,9 @@ class BenchRun:
             llm, load_seconds = _timed(lambda: LLM(cfg.model, dtype=cfg.dtype, device=cfg.device,
                                                    speculative_config=spec.speculative_config,
                                                    max_model_len=cfg.max_model_len, seed=cfg.seed,
-                                                   quantization=spec.quantization))
+                                                   quantization=spec.quantization,
+                                                   # each prompt once, prefilled in full, as the peers do
+                                                   enable_prefix_caching=False))
             rss_loaded = current_rss()
             if state.prompt_ids is None:  # the target's chat template, once, shared by every method
                 state.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in self.prompts]
