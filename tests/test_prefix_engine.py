@@ -161,17 +161,20 @@ def test_soak_of_mixed_requests(tiny_llama_dir: Path) -> None:
                                 ignore_eos=True)
         seqs.append(llm.new_sequence(prompt, params))
     for s in seqs:
-        engine.add(s)
+        engine.add(s, rng.choice([None, 0, 2]))  # adaptive k, no drafting, a fixed k
     steps = 0
     while engine.has_work():
         engine.step()
         steps += 1
         if steps % 37 == 0 and engine.running:  # a client goes away
             engine.abort(engine.running[0].seq.request_id)
+        if steps % 11 == 0 and engine.prefilling is not None:  # ... while its prompt is coming in
+            engine.abort(engine.prefilling.seq.request_id)
         pool = engine.prefix_cache
         assert pool is not None and pool.bytes_used <= pool.max_bytes
     assert all(s.finished for s in seqs)
     assert sum(s.finish_reason == "length" for s in seqs) >= 150
+    assert sum(s.finish_reason == "abort" and s.num_output == 0 for s in seqs) >= 2  # aborted mid-prefill
     assert engine.prefix_cache is not None and engine.prefix_cache.hit_tokens > 0
 
 
@@ -179,3 +182,20 @@ def llm_kv_bytes(model_dir: Path) -> int:
     from specdecode.model.load import read_config
 
     return read_config(model_dir).kv_bytes_per_token(4)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_sliding_window_models_with_pool_and_chunks(kind: str, tmp_path: Path) -> None:
+    """Models masking by position distance: pooled blocks carry their positions, chunks record theirs."""
+    from arch_helpers import make_hf_dir
+
+    path = make_hf_dir(tmp_path / kind, kind)
+    plain = LLM(str(path), dtype="fp32", enable_prefix_caching=False, max_num_batched_tokens=None)
+    cached = LLM(str(path), dtype="fp32", max_num_batched_tokens=8,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompts = [SYSTEM + s for s in SUFFIXES[:3]]
+    want = [plain.generate([p], _params(12))[0].token_ids for p in prompts]
+    engine = cached.batch_engine(max_num_seqs=2)
+    seqs = _drive(cached, engine, prompts, [12] * 3)
+    assert [s.output_ids for s in seqs] == want
+    assert [s.cached_tokens for s in seqs][1:] == [32, 32]

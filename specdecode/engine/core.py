@@ -134,6 +134,7 @@ class Engine:
         if self.cache is not None:
             old = self.cache.batch_size
             cache.k[:, :old], cache.v[:, :old] = self.cache.k, self.cache.v
+            cache.pos[:old] = self.cache.pos
             cache.lengths[:old] = self.cache.lengths
         self.cache = cache
 

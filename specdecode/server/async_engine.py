@@ -268,7 +268,7 @@ class AsyncEngine:
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        m.requests_running.set(len(self.engine.running))
+        m.requests_running.set(len(self.engine.running) + (self.engine.prefilling is not None))
         m.requests_waiting.set(len(self.engine.waiting))
         pool = self.engine.prefix_cache
         if pool is not None:
