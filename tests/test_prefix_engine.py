@@ -150,7 +150,7 @@ def test_cached_tokens_in_request_metrics(tiny_llama_dir: Path) -> None:
 def test_soak_of_mixed_requests(tiny_llama_dir: Path) -> None:
     """200 requests: shared and fresh prefixes, greedy and sampled, a small pool and small chunks; some aborted."""
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-              prefix_cache_gb=40 * 16 * llm_kv_bytes(tiny_llama_dir) / 2**30, max_num_batched_tokens=24)
+              prefix_cache_gb=40 * 16 * llm_kv_bytes(tiny_llama_dir) / 2**30, max_num_batched_tokens=16)
     engine = llm.batch_engine(max_num_seqs=4, max_waiting=500)
     rng = random.Random(0)
     seqs = []

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
+from specdecode.engine.chunking import chunk_tokens, smoothed
 from specdecode.engine.plan import RowTree, StepPlan, build_plan
 from specdecode.engine.prefix_cache import Block, PrefixCache
 from specdecode.engine.schedule import Lengths, RowWant, choose_lengths, node_budget
@@ -90,7 +91,12 @@ class Engine:
         self.prefix_cache = prefix_cache
         """K/V of finished prefixes (None: prefix caching off)."""
         self.max_num_batched_tokens = max_num_batched_tokens
-        """Prompt tokens prefilled per step while other rows decode (None: a whole prompt at once)."""
+        """At most this many prompt tokens prefilled per step while other rows decode (None: a whole prompt at
+        once); the chunk is the largest that costs about `CHUNK_STEP_RATIO` decode steps (engine/chunking.py)."""
+        self._decode_seconds: float | None = None
+        """Running average of a step's decode phase (propose, forward, verify, commit)."""
+        self._chunk_token_seconds: float | None = None
+        """Running average of a prefill chunk's seconds per token, measured on chunks run while rows decode."""
         self.running: list[Running] = []
         self.prefilling: Running | None = None
         """The request whose prompt is being prefilled in chunks, in the row after the running ones."""
@@ -189,7 +195,9 @@ class Engine:
         """Prefill newcomers one at a time, in arrival order, into the row after the running ones. While rows
         decode, at most max_num_batched_tokens prompt tokens per step (a long prompt takes several steps, and
         the running rows get a token each step); otherwise whole prompts. Returns the sequences that joined."""
-        budget = self.max_num_batched_tokens if self.running else None
+        budget = None
+        if self.running and self.max_num_batched_tokens is not None:
+            budget = chunk_tokens(self.max_num_batched_tokens, self._decode_seconds, self._chunk_token_seconds)
         admitted = []
         while budget is None or budget > 0:
             r = self.prefilling
@@ -199,9 +207,11 @@ class Engine:
                 r = self.prefilling = self._start_prefill()
             left = r.seq.prompt_len - r.prefilled
             chunk = left if budget is None else min(left, budget)
+            t0 = time.perf_counter()
             self._prefill_chunk(r, len(self.running), chunk)
             if budget is not None:
                 budget -= chunk
+                self._chunk_token_seconds = smoothed(self._chunk_token_seconds, (time.perf_counter() - t0) / chunk)
             if r.prefilled < r.seq.prompt_len:
                 break
             self.prefilling = None
@@ -324,6 +334,7 @@ class Engine:
         touched = self._admit()  # schedule: admission (and the newcomers' prefill)
         if not self.running:
             return touched
+        t_decode = time.perf_counter()
         lengths = self._schedule()
         t0 = time.perf_counter()
         rows = self._propose(lengths)
@@ -335,7 +346,9 @@ class Engine:
         touched += [r.seq for r in self.running]
         for i in reversed(self._commit(plan, rows, verdicts, hidden, seconds)):  # and observe/adapt
             self._release(i)
-        self.last_step_seconds = time.perf_counter() - t_start
+        end = time.perf_counter()
+        self.last_step_seconds = end - t_start
+        self._decode_seconds = smoothed(self._decode_seconds, end - t_decode)
         self._log_step(lengths, rows, t1 - t0)
         return touched
 

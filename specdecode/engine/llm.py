@@ -74,8 +74,9 @@ class LLM:
         enable_prefix_caching: keep the K/V of finished prompts and responses in a pool and reuse it for later
             prompts that start with the same tokens (on by default; output unchanged).
         prefix_cache_gb: the pool's bound in GiB (least recently used blocks go first).
-        max_num_batched_tokens: prompt tokens prefilled per step while other requests decode (a longer prompt
-            is prefilled in chunks between their steps); None or 0: whole prompts at once.
+        max_num_batched_tokens: at most this many prompt tokens prefilled per step while other requests decode
+            (a longer prompt is prefilled in chunks between their steps, each sized to cost about 1.5 of their
+            steps); None or 0: whole prompts at once.
     """
 
     def __init__(
