@@ -14,6 +14,7 @@ drafts), and a hit is copied into the row, so speculation never writes into a po
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +68,9 @@ class PrefixCache:
         """Prompt tokens looked up (the hit rate's denominator)."""
         self.hit_tokens = 0
         """Prompt tokens served from the pool."""
+        self._lock = threading.Lock()
+        """`LLM.generate` and a server's engine thread may share the pool; a pooled block is never changed, so
+        a caller may read the blocks it got after the lock is released."""
 
     @property
     def hit_rate(self) -> float:
@@ -74,6 +78,20 @@ class PrefixCache:
 
     def match(self, tokens: list[int], limit: int, need_features: bool = False) -> list[Block]:
         """The longest chain of pooled blocks covering a prefix of tokens[:limit] (counted in the hit rate)."""
+        with self._lock:
+            return self._match(tokens, limit, need_features)
+
+    def insert(self, tokens: list[int], read: BlockReader) -> int:
+        """Pool the full blocks of `tokens` (whose K/V `read` copies out); returns the blocks added."""
+        with self._lock:
+            return self._insert(tokens, read)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.blocks.clear()
+            self.bytes_used = 0
+
+    def _match(self, tokens: list[int], limit: int, need_features: bool) -> list[Block]:
         found: list[Block] = []
         parent = None
         for key in chain_hashes(tokens[:limit], self.block_size):
@@ -89,8 +107,7 @@ class PrefixCache:
         self.hit_tokens += len(found) * self.block_size
         return found
 
-    def insert(self, tokens: list[int], read: BlockReader) -> int:
-        """Pool the full blocks of `tokens` (whose K/V `read` copies out); returns the blocks added."""
+    def _insert(self, tokens: list[int], read: BlockReader) -> int:
         keys = chain_hashes(tokens, self.block_size)
         added = 0
         parent = None
@@ -106,10 +123,6 @@ class PrefixCache:
             parent = key
         self._refresh([key for key in keys if key in self.blocks])
         return added
-
-    def clear(self) -> None:
-        self.blocks.clear()
-        self.bytes_used = 0
 
     def _refresh(self, keys: list[int]) -> None:
         """Most recently used: the chain's first block last, so tails are evicted before heads."""
