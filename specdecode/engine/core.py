@@ -57,7 +57,7 @@ class Running:
     prefilled: int = 0
     """Prompt tokens whose K/V is in the row (a prefix-cache hit, then prefill chunks)."""
     started: float = 0.0
-    """perf_counter when its prefill began."""
+    """perf_counter when its first prefill forward began (0: not yet)."""
     features: torch.Tensor | None = None
     """[max_len, F] the target's features of the row's kept positions, pooled with its K/V blocks (only for
     proposers that read them, with the prefix cache on)."""
@@ -208,7 +208,7 @@ class Engine:
             left = r.seq.prompt_len - r.prefilled
             chunk = left if budget is None else min(left, budget)
             t0 = time.perf_counter()
-            self._prefill_chunk(r, len(self.running), chunk)
+            self._prefill(r, len(self.running), chunk)
             if budget is not None:
                 budget -= chunk
                 self._chunk_token_seconds = smoothed(self._chunk_token_seconds, (time.perf_counter() - t0) / chunk)
@@ -236,7 +236,7 @@ class Engine:
         assert self.cache is not None
         drafts = self.proposer is not None and k_override != 0
         policy = self._policy(k_override) if drafts else None
-        r = Running(seq, next(self._keys), policy, k_override, started=time.perf_counter())
+        r = Running(seq, next(self._keys), policy, k_override)
         row = len(self.running)
         hidden = policy is not None and self.proposer is not None and self.proposer.capabilities.target_hidden
         blocks: list[Block] = []
@@ -258,10 +258,12 @@ class Engine:
                 self.proposer.observe_hidden(r.key, cached)
         return r
 
-    def _prefill_chunk(self, r: Running, row: int, n: int) -> None:
+    def _prefill(self, r: Running, row: int, n: int) -> None:
         """Prefill the next n prompt tokens of r in `row`; the last chunk emits the first output token."""
         seq = r.seq
         assert self.cache is not None
+        if not r.started:  # the request's own timing starts with its first forward
+            r.started = time.perf_counter()
         dev = self.target.device
         start = r.prefilled
         ids = torch.tensor([seq.token_ids[start : start + n]], device=dev)
