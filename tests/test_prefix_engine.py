@@ -199,3 +199,36 @@ def test_sliding_window_models_with_pool_and_chunks(kind: str, tmp_path: Path) -
     seqs = _drive(cached, engine, prompts, [12] * 3)
     assert [s.output_ids for s in seqs] == want
     assert [s.cached_tokens for s in seqs][1:] == [32, 32]
+
+
+def test_pooled_blocks_hold_the_committed_tokens_kv(tiny_llama_dir: Path, tiny_llama_other_dir: Path,
+                                                    heads: dict[str, Path]) -> None:
+    """After tree speculation (scratch slots past the prefix, compaction, rejected drafts), every pooled block of
+    a finished request equals a fresh prefill of its tokens."""
+    spec = _methods(tiny_llama_dir, tiny_llama_other_dir, heads)["draft-tree"]
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
+    seq = llm.run_sequences([llm.new_sequence(SYSTEM + [100, 101], _params(40))])[0]
+    assert seq.stats.draft_tokens > 0
+    committed = seq.token_ids[:-1]  # the last output token has no K/V yet
+    pool = llm.prefix_cache
+    assert pool is not None
+    blocks = pool.match(committed, len(committed))
+    assert len(blocks) == len(committed) // 16 >= 4  # output blocks too
+    model = llm.target.model
+    fresh = model.new_cache(1, 128)
+    model(torch.tensor([committed]), torch.arange(len(committed))[None], fresh)
+    for i, b in enumerate(blocks):
+        torch.testing.assert_close(b.k, fresh.k[:, 0, :, 16 * i : 16 * (i + 1)], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(b.v, fresh.v[:, 0, :, 16 * i : 16 * (i + 1)], atol=1e-5, rtol=1e-4)
+
+
+def test_the_pool_counts_in_the_servers_memory_check(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdecode.engine import validation
+    from specdecode.engine.validation import InsufficientMemoryError
+
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", max_model_len=256, prefix_cache_gb=2.0)
+    monkeypatch.setattr(validation, "available_bytes", lambda device: 1 << 30)  # the rows fit, the pool does not
+    with pytest.raises(InsufficientMemoryError, match="prefix cache 2.00 GiB"):
+        llm.batch_engine(max_num_seqs=2)
+    monkeypatch.setattr(validation, "available_bytes", lambda device: 3 << 30)
+    assert llm.batch_engine(max_num_seqs=2).prefix_cache is llm.prefix_cache
