@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
-from specdecode.engine.chunking import chunk_tokens, smoothed
+from specdecode.engine.chunking import MIN_CHUNK_TOKENS, chunk_tokens, smoothed
 from specdecode.engine.plan import RowTree, StepPlan, build_plan
 from specdecode.engine.prefix_cache import Block, PrefixCache
 from specdecode.engine.schedule import Lengths, RowWant, choose_lengths, node_budget
@@ -211,7 +211,9 @@ class Engine:
             self._prefill(r, len(self.running), chunk)
             if budget is not None:
                 budget -= chunk
-                self._chunk_token_seconds = smoothed(self._chunk_token_seconds, (time.perf_counter() - t0) / chunk)
+                if chunk >= MIN_CHUNK_TOKENS:  # a few tokens cost mostly the forward's fixed part: no measure
+                    per_token = (time.perf_counter() - t0) / chunk
+                    self._chunk_token_seconds = smoothed(self._chunk_token_seconds, per_token)
             if r.prefilled < r.seq.prompt_len:
                 break
             self.prefilling = None
