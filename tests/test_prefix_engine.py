@@ -122,8 +122,10 @@ def test_chunked_prefill_interleaves_with_a_running_row(tiny_llama_dir: Path) ->
     rng = random.Random(3)
     long_prompt = [rng.randrange(3, 300) for _ in range(150)]
     short = llm.new_sequence([5, 6, 7], _params(40))
+    brief = llm.new_sequence([8, 9], _params(4))  # leaves mid-prefill: the prefilling row moves down a row
     long = llm.new_sequence(long_prompt, _params(10))
-    engine = llm.batch_engine(max_num_seqs=2)
+    engine = llm.batch_engine(max_num_seqs=3)
+    engine.add(brief)
     engine.add(short)
     engine.step()
     engine.add(long)
@@ -138,6 +140,7 @@ def test_chunked_prefill_interleaves_with_a_running_row(tiny_llama_dir: Path) ->
     assert chunk_steps == 150 // 16  # 10 chunks: nine steps with the prompt unfinished, the last joins
     whole = LLM(str(tiny_llama_dir), dtype="fp32", enable_prefix_caching=False, max_num_batched_tokens=None)
     assert [o.token_ids for o in whole.generate([[5, 6, 7]], _params(40))] == [short.output_ids]
+    assert [o.token_ids for o in whole.generate([[8, 9]], _params(4))] == [brief.output_ids]
     assert [o.token_ids for o in whole.generate([long_prompt], _params(10))] == [long.output_ids]
 
 
