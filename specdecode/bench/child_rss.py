@@ -3,7 +3,9 @@ own peak (VmHWM), so nothing of the benchmark process (other methods' engines, t
 retained memory) counts. The benchmark measures our plain methods (e.g. `plain@gguf`) and llama.cpp's plain
 peer this way: the same prompt ids, tokens, context size and threads for both.
 
-`python -m specdecode.bench.child_rss '<json>'` is the child; `peak_rss_alone` starts it.
+`python .../child_rss.py '<json>'` is the child, run as a script so that the package (and torch with it) is
+imported only for our engine: llama.cpp's child (llama-cpp-python) holds the interpreter, numpy and llama.cpp.
+`peak_rss_alone` starts it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -30,9 +33,9 @@ def _run_ours(job: dict[str, Any]) -> int:
 
 
 def _run_llamacpp(job: dict[str, Any]) -> int:
-    from specdecode.bench.peers import llamacpp_binding
+    import importlib.util
 
-    if llamacpp_binding() == "llama-cpp-cffi":
+    if importlib.util.find_spec("llama_cpp") is None:  # the peer's other binding (`peers.llamacpp_binding`)
         from specdecode.bench.llamacpp_cffi import CffiLlama
 
         llm = CffiLlama(job["model"], n_threads=job["threads"], n_ctx=job["n_ctx"], seed=0, temperature=0.0)
@@ -49,11 +52,14 @@ def _run_llamacpp(job: dict[str, Any]) -> int:
 
 
 def _child(job: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(job["threads"])
     base = _status_bytes("VmRSS")
-    tokens = (_run_llamacpp if job["engine"] == "llama.cpp" else _run_ours)(job)
+    if job["engine"] == "llama.cpp":
+        tokens = _run_llamacpp(job)
+    else:
+        import torch
+
+        torch.set_num_threads(job["threads"])
+        tokens = _run_ours(job)
     return {"peak_rss_bytes": _status_bytes("VmHWM"), "rss_before_load_bytes": base, "tokens": tokens}
 
 
@@ -63,8 +69,10 @@ def peak_rss_alone(engine: str, model: str, prompt_ids: list[int], max_tokens: i
     (`peak_rss_bytes`, the interpreter and libraries included), its RSS before loading and the tokens made."""
     job = {"engine": engine, "model": model, "prompt_ids": prompt_ids, "max_tokens": max_tokens, "n_ctx": n_ctx,
            "threads": threads, "dtype": dtype, "quantization": quantization}
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, "-m", "specdecode.bench.child_rss", json.dumps(job)], capture_output=True,
+    root = str(Path(__file__).resolve().parents[2])  # where `specdecode` imports from
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(job)], capture_output=True,
                           text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} child exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
