@@ -171,7 +171,9 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
         "τ = output tokens / target forwards (steps, prefill included); acceptance = accepted / drafted tokens; "
         "speedup = mean tok/s ÷ mean tok/s of `plain` on the same prompts (ratio of means); peers' speedup is "
         "also given against their own plain run. Peak RSS is sampled over the method's load and run "
-        "(a peer's models share one process lifetime).",
+        "(a peer's models share one process lifetime); peak RSS alone is a plain engine's (ours per format, "
+        "llama.cpp's) in a child process of its own, one generation of the first prompt at the same context "
+        "size (ours includes the interpreter and torch, ~0.3 GiB; llama.cpp's the interpreter only).",
         "",
         "## Overall",
         "",
