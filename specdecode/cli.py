@@ -37,7 +37,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target weight format: none keeps the model exact (default); int8 (weight-only), "
                         "int8-dynamic (int8 weights and per-token int8 activations, the fastest verification "
                         "on CPU) and int4 change the model (speculation stays lossless relative to the "
-                        "quantized target); gguf runs a GGUF file's own quantized blocks (AVX512-VNNI)")
+                        "quantized target); gguf runs a GGUF file's own quantized blocks (AVX512-VNNI or AVX2 kernels)")
     p.add_argument("--num-speculative-tokens", default=None, help='k, or "auto" (default)')
 
 
