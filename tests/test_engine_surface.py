@@ -13,6 +13,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.engine.logprobs import mask_early_stops, token_logprobs
 from specdecode.heads.persist import new_head, save_head
 from specdecode.model.load import load_model
+from specdecode.proposers.base import Draft, ProposeRow
 from specdecode.sampling import LOGPROB_FLOOR, logits_to_probs, processed_logprobs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])  # [1, 5]
@@ -96,3 +97,66 @@ def test_choices_of_one_prompt_share_one_prefill(tiny_llama_dir: Path, tmp_path:
         assert s.stats.to_dict()["accepted_tokens"] == lone.stats.to_dict()["accepted_tokens"]
     if method is not None:
         assert lone.stats.to_dict()["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize(("method", "pool"), [(None, True), ("eagle", True), ("eagle", False)])
+def test_choices_share_a_chunked_prefill_and_the_prefix_pool(tiny_llama_dir: Path, tmp_path: Path,
+                                                             method: str | None, pool: bool) -> None:
+    """With the pool on and chunked prefill beside a decoding row, a request's choices prefill its prompt once
+    (the siblings copy it, partial last block included) and decode as a lone request would; a second request of
+    the same prompt reads its full blocks from the pool, and every choice reports the shared cached tokens."""
+    torch.set_num_threads(1)
+    spec = None
+    if method is not None:
+        target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
+        save_head(new_head(target, method, torch.arange(0, target.config.vocab_size, 2), seed=5), tmp_path)
+        spec = {"method": method, "model": str(tmp_path), "num_speculative_tokens": 3, "draft_tree_width": 1}
+    prompt = list(range(3, 3 + 37))  # two full 16-token blocks and a partial one
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    plain = LLM(str(tiny_llama_dir), dtype="fp32", enable_prefix_caching=False, max_num_batched_tokens=None)
+    want = plain.generate([prompt], params)[0].token_ids
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec, max_num_batched_tokens=16,
+              enable_prefix_caching=pool)
+    engine = llm.batch_engine(max_num_seqs=4)
+    prefilled = 0
+    prefill = engine._prefill
+
+    def counting(r: object, row: int, n: int) -> None:
+        nonlocal prefilled
+        prefilled += n
+        prefill(r, row, n)  # type: ignore[arg-type]
+
+    engine._prefill = counting  # type: ignore[method-assign]
+    drafts: dict[int, list[list[int]]] = {}
+    if engine.proposer is not None:
+        propose = engine.proposer.propose
+
+        def recording(asks: list[ProposeRow]) -> list[Draft]:
+            out = propose(asks)
+            seqs_by_key = {r.key: r.seq for r in engine.running}
+            for ask, d in zip(asks, out, strict=True):
+                drafts.setdefault(id(seqs_by_key[ask.key]), []).append(d.tokens)
+            return out
+
+        engine.proposer.propose = recording  # type: ignore[method-assign]
+    for cached in (0, 32 if pool else 0):
+        runner = llm.new_sequence([5, 6, 7], SamplingParams(max_tokens=25, temperature=0, ignore_eos=True))
+        engine.add(runner)
+        engine.step()  # the runner decodes while the choices' prompt comes in by chunks
+        prefilled = 0
+        group = object()
+        seqs = [llm.new_sequence(prompt, params) for _ in range(3)]
+        for s in seqs:
+            s.prefill_group = group
+            engine.add(s)
+        while engine.has_work():
+            engine.step()
+        assert prefilled == len(prompt) - cached
+        assert [s.output_ids for s in seqs] == [want] * 3
+        assert [s.cached_tokens for s in seqs] == [cached] * 3
+        accepted = {s.stats.to_dict()["accepted_tokens"] for s in seqs}
+        assert len(accepted) == 1
+        if method is not None:  # the same tokens and features: each choice drafts what the source drafts
+            assert seqs[0].stats.to_dict()["draft_tokens"] > 0
+            assert drafts[id(seqs[0])] and all(drafts[id(s)] == drafts[id(seqs[0])] for s in seqs)
+        assert not engine._shared  # no finished prefill outlives its choices

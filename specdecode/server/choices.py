@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from specdecode.server.async_engine import RequestStream, Update
-from specdecode.server.protocol import SpeculativeUsage, Usage
+from specdecode.server.protocol import PromptTokensDetails, SpeculativeUsage, Usage
 
 
 class ChoiceGroup:
@@ -50,11 +50,13 @@ class ChoiceGroup:
                 t.cancel()
 
     def usage(self, finals: list[Update]) -> dict[str, Any]:
-        """The prompt once, every choice's tokens; the speculative stats summed over the choices."""
+        """The prompt once (its cached tokens those of the choices' one shared prefill), every choice's tokens;
+        the speculative stats summed over the choices."""
         completion = sum(f.num_output for f in finals)
         stats = merge_stats([f.stats for f in finals])
+        cached = PromptTokensDetails(cached_tokens=self.streams[0].seq.cached_tokens)
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                     total_tokens=self.prompt_tokens + completion,
+                     total_tokens=self.prompt_tokens + completion, prompt_tokens_details=cached,
                      speculative=SpeculativeUsage.from_stats(stats)).model_dump()
 
 
