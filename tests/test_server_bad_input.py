@@ -85,7 +85,8 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
     ("stop as number", {"stop": 5}, "stop"),
     ("too many stops", {"stop": [str(i) for i in range(40)]}, "stop"),
     ("stream as string", {"stream": "yes"}, "stream"),
-    ("n 2", {"n": 2}, "n"),
+    ("n 99", {"n": 99}, "n"),
+    ("n over the queue", {"n": 5}, "n"),
     ("unknown model", {"model": "gpt-4o"}, "model"),
     ("model as number", {"model": 3}, "model"),
     ("empty messages", {"messages": []}, "messages"),
@@ -94,7 +95,12 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
     ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("content as number", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("message not an object", {"messages": ["hi"]}, "messages[0]"),
-    ("logprobs", {"logprobs": True}, "logprobs"),
+    ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
+    ("top_logprobs 21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("logit_bias key not an id", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("logit_bias beyond the vocabulary", {"logit_bias": {"999999": 1}}, "logit_bias"),
+    ("logit_bias 101", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("min_tokens above max_tokens", {"min_tokens": 9}, "min_tokens"),
     ("speculative k -1", {"speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens"),
     ("speculative k 99", {"speculative": {"num_speculative_tokens": 99}}, "speculative.num_speculative_tokens"),
     ("speculative not an object", {"speculative": "fast"}, "speculative"),
@@ -122,14 +128,13 @@ BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str | None]] = [
     ("prompt longer than the context", {"prompt": [5] * (MAX_LEN + 10)}, "prompt"),
     ("prompt + max_tokens over the context", {"prompt": [5] * (MAX_LEN - 10), "max_tokens": 20}, "max_tokens"),
     ("echo", {"echo": True}, "echo"),
-    ("logprobs", {"logprobs": 3}, "logprobs"),
+    ("logprobs 21", {"logprobs": 21}, "logprobs"),
     ("best_of", {"best_of": 3}, "best_of"),
 ]
 
 
 # Fields OpenAI defines that this server does not implement, and fields nobody defines: each is a 400 naming it.
 UNRECOGNIZED: list[tuple[str, Any]] = [
-    ("logit_bias", {"5": 10}),
     ("functions", [{"name": "f"}]),
     ("modalities", ["text"]),
     ("no_such_field", 1),

@@ -201,3 +201,54 @@ def test_tool_conversation_is_accepted(servers: dict[str, LiveServer]) -> None:
     r = servers["plain"].openai().chat.completions.create(model=NAME, messages=messages, tools=TOOLS,
                                                           temperature=0, max_tokens=8)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def _choices(server: LiveServer, body: dict[str, Any]) -> list[dict[str, Any]]:
+    r = server.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"]
+
+
+def test_json_schema_with_logprobs_and_n_choices(servers: dict[str, LiveServer]) -> None:
+    schema = SCHEMAS[1]
+    body = {"model": NAME, "messages": [{"role": "user", "content": "a person"}], "temperature": 0, "max_tokens": 60,
+            "n": 2, "logprobs": True, "top_logprobs": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+    spec = _choices(servers["ngram"], body)
+    off = _choices(servers["ngram"], {**body, "speculative": {"num_speculative_tokens": 0}})
+    assert len(spec) == len(off) == 2
+    for a, b in zip(spec, off, strict=True):
+        assert a["finish_reason"] == "stop", a
+        jsonschema.validate(json.loads(a["message"]["content"]), schema)  # each choice ran its own matcher
+        assert a["message"] == b["message"]
+        got, want = a["logprobs"]["content"], b["logprobs"]["content"]
+        assert [e["token"] for e in got] == [e["token"] for e in want]
+        # Read after the grammar's mask: every chosen token is its position's most likely allowed one.
+        assert all(e["logprob"] == e["top_logprobs"][0]["logprob"] for e in got)
+        assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+
+
+def test_tool_calls_per_choice(servers: dict[str, LiveServer]) -> None:
+    req = dict(model=NAME, messages=[{"role": "user", "content": "add 2 and 3"}], tools=TOOLS, tool_choice="required",
+               temperature=0.8, seed=3, max_tokens=120, n=2)
+    client = servers["ngram"].openai()
+    r = client.chat.completions.create(**req)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls"
+        [call] = c.message.tool_calls
+        _check_call(call)
+    pieces: dict[tuple[int, int], dict[str, str]] = {}
+    finish = {}
+    for ch in client.chat.completions.create(**req, stream=True):
+        for c in ch.choices:
+            for d in c.delta.tool_calls or []:
+                got = pieces.setdefault((c.index, d.index), {"name": "", "arguments": ""})
+                got["name"] += d.function.name or ""
+                got["arguments"] += d.function.arguments or ""
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    assert pieces == {(i, 0): {"name": c.message.tool_calls[0].function.name,
+                               "arguments": c.message.tool_calls[0].function.arguments}
+                      for i, c in enumerate(r.choices)}  # the same seed: the same calls streamed

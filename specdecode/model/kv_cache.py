@@ -114,6 +114,18 @@ class KVCache:
         self.v[:, row, :, dst_start : dst_start + n] = self.v[:, row, :, src]
         self.pos[row, dst_start : dst_start + n] = self.pos[row, src]
 
+    def read_span(self, row: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row's K and V at slots [start, start + n): [L, kvh, n, hd] each (for the prefix cache)."""
+        return self.k[:, row, :, start : start + n].clone(), self.v[:, row, :, start : start + n].clone()
+
+    def write_span(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V [L, kvh, n, hd] at row's slots [start, start + n) (a prefix-cache hit); a prefix's
+        entries sit at their own positions."""
+        n = k.shape[2]
+        self.k[:, row, :, start : start + n] = k
+        self.v[:, row, :, start : start + n] = v
+        self.pos[row, start : start + n] = torch.arange(start, start + n, device=self.pos.device)
+
     def reset(self, row: int | None = None) -> None:
         if row is None:
             self.lengths = [0] * self.batch_size
@@ -129,6 +141,13 @@ class KVCache:
         view.max_len = self.max_len
         view.lengths = self.lengths[start:stop]  # a copy: the owner keeps the authoritative lengths
         return view
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy row src's first n entries into row dst (choices of one prompt share its prefill); dst's
+        length is the caller's to set."""
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.pos[dst, :n] = self.pos[src, :n]
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src's valid entries into row dst (keeps running sequences in rows 0..n-1)."""

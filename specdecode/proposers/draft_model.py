@@ -192,7 +192,7 @@ class DraftModelProposer(ProposerDefaults):
             return token
 
         def _pick(row: torch.Tensor) -> int:
-            if params.greedy and not params.has_penalties:
+            if params.raw_argmax:
                 return int(row.argmax())
             row_counts = None
             if counts is not None:

@@ -23,6 +23,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 1024
 MAX_TOKENS_LIMIT = 1 << 20
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+MAX_CHOICES = 16
+MAX_LOGIT_BIAS = 300
+MAX_LOGPROBS = 20
 
 Float = StrictFloat | StrictInt  # JSON 1 is a fine temperature
 
@@ -99,7 +102,9 @@ class _SamplingFields(_StructuredFields):
         None, description="Default: the remaining context, capped at the server's --default-max-tokens (256).")
     temperature: Annotated[Float, Field(ge=0.0, le=100.0)] | None = Field(None, description="Default 1; 0 = greedy.")
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=128)] | None = Field(None, description="Only 1 is supported.")
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = Field(
+        None, description="Independent choices of the same prompt (its prefill is shared); usage counts the "
+                          "prompt once and every choice's tokens.")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(max_length=MAX_STOP_LEN)]],
@@ -120,6 +125,11 @@ class _SamplingFields(_StructuredFields):
     ignore_eos: StrictBool | None = False
     stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=256)] | None = None
     speculative: SpeculativeOptions | None = None
+    logit_bias: Annotated[dict[StrictStr, Annotated[Float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100] added to the logits.")
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = Field(
+        None, description="vLLM extension: EOS and stop_token_ids are masked until this many tokens.")
 
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
@@ -130,7 +140,8 @@ class CompletionRequest(_SamplingFields):
         list[TokenIds], Field(min_length=1, max_length=1)] = Field(
         ..., description="Text or token ids (one prompt per request; a list holding one prompt is accepted).")
     echo: StrictBool | None = False
-    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="Report each token's logprob and this many most likely alternatives.")
     suffix: StrictStr | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
 
@@ -196,7 +207,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     logprobs: StrictBool | None = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="Alternatives per token (needs logprobs: true).")
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -219,17 +231,44 @@ class SpeculativeUsage(_Model):
         return cls(**{k: stats[k] for k in cls.model_fields if k in stats})
 
 
+class PromptTokensDetails(_Model):
+    cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache instead of prefilled (OpenAI's field)."""
+
+
 class Usage(_Model):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     speculative: SpeculativeUsage | None = None
+
+
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Model):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(_Model):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 class CompletionChoice(_Model):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -267,7 +306,7 @@ class ChatMessageOut(_Model):
 class ChatChoice(_Model):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
@@ -290,7 +329,7 @@ class DeltaMessage(_Model):
 class ChatStreamChoice(_Model):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 

@@ -1,19 +1,12 @@
-"""SSE events of a streamed chat completion with tools: text deltas as content, each parsed call as
-OpenAI's `delta.tool_calls` pieces (a first piece with index, id, type and the function's name, then its
-arguments), and finish_reason "tool_calls" when the model called."""
+"""Streamed tool calls of one chat choice: its text deltas -> OpenAI's chat deltas, content as `content` and
+each parsed call as `tool_calls` pieces (a first piece with index, id, type and the function's name, then its
+arguments); the choice finishes with "tool_calls" when the model called."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from specdecode.server.async_engine import RequestStream
-from specdecode.server.protocol import SpeculativeUsage
 from specdecode.server.tools import Format, ToolCallStream, new_call_id
-
-if TYPE_CHECKING:
-    from specdecode.server.app import _Server
 
 
 def call_deltas(index: int, call: dict[str, str]) -> list[dict[str, Any]]:
@@ -25,48 +18,27 @@ def call_deltas(index: int, call: dict[str, str]) -> list[dict[str, Any]]:
     ]
 
 
-def tool_events(server: _Server, stream: RequestStream, rid: str, include_usage: bool,
-                fmt: Format) -> AsyncIterator[str]:
-    from specdecode.server.app import _sse, error_body  # the app imports this module
+class ToolDeltas:
+    """One choice's parser: text in (held back while it may be a call), deltas out."""
 
-    base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": server.model_name}
-    parser = ToolCallStream(fmt)
-    called = 0
+    def __init__(self, fmt: Format) -> None:
+        self.parser = ToolCallStream(fmt)
+        self.called = 0
+        """Calls sent so far (the next call's index)."""
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        obj = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        if include_usage:
-            obj["usage"] = None
-        return _sse({**obj, **extra})
-
-    def render(events: list[tuple[str, Any]]) -> list[str]:
-        nonlocal called
-        out = []
+    def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """The deltas an update's text releases; `final`: the choice's last update (flush what is held)."""
+        events = self.parser.feed(text)
+        if final:
+            events += self.parser.finish()
+        out: list[dict[str, Any]] = []
         for kind, value in events:
             if kind == "content":
-                out.append(chunk({"content": value}))
+                out.append({"content": value})
             else:
-                out.extend(chunk(d) for d in call_deltas(called, value))
-                called += 1
+                out.extend(call_deltas(self.called, value))
+                self.called += 1
         return out
 
-    async def events() -> AsyncIterator[str]:
-        yield chunk({"role": "assistant", "content": ""})
-        async for update in stream:
-            if update.error is not None:
-                server.metrics.request_errors.labels(code="500").inc()
-                yield _sse(error_body(500, update.error, None, "engine_error"))
-                break
-            for piece in render(parser.feed(update.text)):
-                yield piece
-            if update.finished:
-                for piece in render(parser.finish()):
-                    yield piece
-                spec = SpeculativeUsage.from_stats(update.stats)
-                finish = "tool_calls" if called else update.finish_reason
-                yield chunk({}, finish, speculative=spec.model_dump() if spec else None)
-                if include_usage:
-                    yield _sse({**base, "choices": [], "usage": server.usage(stream, update)})
-        yield "data: [DONE]\n\n"
-
-    return events()
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.called else reason
