@@ -7,11 +7,14 @@ import json
 
 import pytest
 import torch
+from test_engine_lossless import TARGET, VOCAB, _NoText, _transition_logits
 from test_structured_lossless import MarkovGrammar
 
 from specdecode import SamplingParams, StructuredOutputsParams
 from specdecode.engine.constrain import constrain_row
+from specdecode.engine.core import Engine
 from specdecode.engine.plan import RowTree
+from specdecode.engine.sequence import Sequence
 from specdecode.server.tools import ToolCallStream, parse_tool_calls, template_format
 
 
@@ -145,3 +148,41 @@ def test_python_api_structured_outputs(tiny_llama_dir) -> None:  # noqa: ANN001
     assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
     for o in plain:
         assert re.fullmatch("[a-z]{2,6}( [0-9]{1,3}){2}", o.text) and o.finish_reason == "stop", o.text
+
+
+def test_first_token_of_every_prefill_path_follows_the_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt prefilled in chunks while a row decodes, and two sibling choices that copy its prefill: each
+    first token comes from the masked logits, through the choice's own matcher, and so do its logprobs."""
+    copied: list[bool] = []
+    real_copy = Engine._copy_sibling
+
+    def copy(self, *args):  # noqa: ANN001, ANN002, ANN202
+        copied.append(real_copy(self, *args))
+        return copied[-1]
+
+    monkeypatch.setattr(Engine, "_copy_sibling", copy)
+    engine = Engine(TARGET, 64, max_num_seqs=4, max_waiting=None, max_num_batched_tokens=16)
+    cpu = torch.device("cpu")
+    busy = Sequence("busy", [1, 2], SamplingParams(max_tokens=20, temperature=0), _NoText(), VOCAB, cpu, 0)
+    engine.add(busy)
+    engine.step()  # a row decodes: the next prompt is prefilled in chunks
+    prompt = [1, 2, 3, 4, 5] * 7 + [0]  # after 0 the target's argmax (3) is forbidden
+    params = SamplingParams(max_tokens=2, temperature=0, logprobs=1, ignore_eos=True)
+    group = object()
+    seqs = [Sequence(str(i), prompt, params, _NoText(), VOCAB, cpu, 0, matcher=MarkovGrammar(0)) for i in range(3)]
+    for seq in seqs:
+        seq.prefill_group = group
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    assert copied.count(True) == 2  # both siblings copied the chunked prefill
+    logits = _transition_logits()[0].clone()  # [V] after token 0
+    forbidden = [t for t in range(VOCAB) if t not in (1, 2, 4)]
+    logits[forbidden] = float("-inf")
+    want = torch.log_softmax(logits, -1)
+    for seq in seqs:
+        first = seq.output_ids[0]
+        assert first == int(logits.argmax()) and first != 3
+        assert seq.logprobs is not None and seq.logprobs[0].logprob == pytest.approx(float(want[first]), abs=1e-4)
+        assert seq.logprobs[0].top[0][0] == first
+        assert seq.matcher.path[:2] == [0, first]  # each choice's own matcher advanced
