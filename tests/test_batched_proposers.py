@@ -10,11 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.heads.persist import new_head
 from specdecode.model.config import ModelConfig
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, ProposeRow, SequenceView
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.draft_rows import DraftModelRows
+from specdecode.proposers.eagle_rows import EagleRows
+from specdecode.proposers.heads import EagleProposer
 from specdecode.proposers.ragged import RowInput, pack
 from specdecode.sampling import SamplingParams
 
@@ -133,3 +136,43 @@ def test_pack_pads_to_scratch_slots() -> None:
     assert packed.mask[0, 2].tolist() == [True] * 5 + [False]  # causal: slot 4 sees slots 0..4
     assert packed.mask[1, 0].nonzero().flatten().tolist() == [4]  # an idle row's padding sees its own slot
     assert packed.mask[2, 1].nonzero().flatten().tolist() == [1]
+
+
+@pytest.mark.parametrize("tree_width", [0, 1, 3], ids=["dynamic-tree", "chain", "tree"])
+def test_batched_eagle_equals_per_row(tree_width: int) -> None:
+    """Heads read the target's features: random ones per position, the same for both proposers."""
+    target = _model(4)
+    head = new_head(target, "eagle", torch.arange(0, VOCAB, 2), seed=2)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(3.0)  # peaked logits: no near-ties between a wide and a narrow forward
+    gen = torch.Generator().manual_seed(1)
+    feats = torch.randn(MAX_LEN, 32, generator=gen)  # [position, D]
+    ks, budget = [3, 4, 5, 2, 4], 12
+
+    def run(propose, begin, observe, verified) -> list[list[Draft]]:  # noqa: ANN001
+        views = _views(0.0)
+        for i, v in enumerate(views):
+            begin(i, v)
+            observe(i, feats[: len(v.token_ids) - 1])  # the prefill's features (all but the pending token)
+        first = propose(views)
+        for i, (v, d) in enumerate(zip(views, first, strict=True)):
+            kept = [t for t, p in zip(d.tokens, d.parents or [], strict=True) if p == 0][:1]
+            n = len(v.token_ids)
+            v.token_ids += kept + [(5 * i + 2) % VOCAB]
+            observe(i, feats[n - 1 : n + len(kept)])
+            verified(i, v, len(kept))
+        return [first, propose(views)]
+
+    singles = [EagleProposer(head, MAX_LEN, tree_width, 3) for _ in ks]
+    ref = run(lambda vs: [p.propose(v, k, budget) for p, v, k in zip(singles, vs, ks, strict=True)],
+              lambda i, v: singles[i].begin(v), lambda i, h: singles[i].observe_hidden(h),
+              lambda i, v, n: singles[i].on_verified(v, n, n))
+    rows = EagleRows(head, MAX_LEN, tree_width, 3)
+    got = run(lambda vs: rows.propose([ProposeRow(i, v, k, budget) for i, (v, k) in enumerate(zip(vs, ks, strict=True))
+                                       ]),
+              rows.begin, rows.observe_hidden, lambda i, v, n: rows.on_verified(i, v, n, n))
+    for step_ref, step_got in zip(ref, got, strict=True):
+        for a, b in zip(step_ref, step_got, strict=True):
+            _same(a, b)
+    assert any(len(d.tokens) > 1 for d in got[1])
