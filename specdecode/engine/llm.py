@@ -235,7 +235,8 @@ class LLM:
         engine = self.engine
         have = engine.cache.batch_size if engine.cache is not None else 0
         if rows > have:
-            check_memory(self._row_cache_parts(rows), self.device)
+            check_memory(self._row_cache_parts(rows), self.device,
+                         f"lower max_num_seqs (now {self.max_num_seqs}: rows run at once) or max_model_len")
         m = self.measurement
         if m is not None and rows > m.rows and engine.cost is self.cost:  # not a cost the caller set
             self.cost = engine.cost = self._measured(rows)
