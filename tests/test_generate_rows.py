@@ -38,7 +38,8 @@ def test_generate_refuses_rows_that_do_not_fit(tiny_llama_dir: Path, monkeypatch
     ref = [o.token_ids for o in llm.generate(PROMPTS[:1], PARAMS)]  # one row allocated
     monkeypatch.setattr(validation, "available_bytes", lambda device: 1 << 10)  # 1 KiB free from now on
     assert [o.token_ids for o in llm.generate(PROMPTS[:1], PARAMS)] == ref  # the row it has: no new memory
-    with pytest.raises(InsufficientMemoryError, match=r"target KV cache \(3 rows x 320 slots\) 0\.00 GiB.*max_num_seqs"):
+    refused = r"target KV cache \(3 rows x 320 slots\) 0\.00 GiB.*max_num_seqs"
+    with pytest.raises(InsufficientMemoryError, match=refused):
         llm.generate(PROMPTS, PARAMS)
     assert not llm.engine.has_work() and llm.engine.cache is not None and llm.engine.cache.batch_size == 1
     monkeypatch.setattr(validation, "available_bytes", lambda device: 1 << 34)
