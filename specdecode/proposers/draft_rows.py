@@ -22,7 +22,7 @@ from specdecode.proposers.draft_chain import ChainDraft
 from specdecode.proposers.draft_model import DraftModelProposer, draft_input_ids, draft_logits
 from specdecode.proposers.lookup_choice import AcceptanceRate, guess_beats_draft
 from specdecode.proposers.ngram_match import ngram_match
-from specdecode.proposers.ragged import RowInput, pack
+from specdecode.proposers.ragged import Packed, RowInput, forward_rows
 from specdecode.proposers.row_cache import RowCache
 from specdecode.proposers.tree_growth import TreeGrower, level_width
 from specdecode.proposers.tree_value import TreeValue, node_selector
@@ -208,23 +208,24 @@ class DraftModelRows:
         return {i: growers[i].draft() for i in work}
 
     def _forward(self, feeds: dict[int, RowInput], last_only: bool = False) -> dict[int, torch.Tensor]:
-        """One draft forward over every cache row in use (rows without a feed only pad); fp32 logits over the
-        target's ids per fed row: [m, V] after each fed token, or [1, V] after the last."""
+        """One draft forward over every cache row in use (rows without a feed only pad; a long catch-up runs
+        alone): fp32 logits over the target's ids per fed row, [m, V] after each fed token or [1, V] after the
+        last."""
         cache = self.cache.cache
         assert cache is not None
-        span = self.cache.span
+        dev, model = self.model.device, self.model
+
+        def run(lo: int, hi: int, packed: Packed) -> torch.Tensor:
+            self.forwards += 1
+            return model(draft_input_ids(model, self.vocab, packed.tokens.to(dev)), packed.positions.to(dev),
+                         cache.rows(lo, hi), slots=packed.slots.to(dev), attn_mask=packed.mask.to(dev))  # [B, M, D]
+
         valid = {row.slot: row.num_cached for row in self.rows.values()}
-        packed = pack(feeds, span, [valid.get(r, 0) for r in range(span)])
-        dev = self.model.device
-        hidden = self.model(draft_input_ids(self.model, self.vocab, packed.tokens.to(dev)),
-                            packed.positions.to(dev), cache.rows(0, span), slots=packed.slots.to(dev),
-                            attn_mask=packed.mask.to(dev))  # [span, M, D]
-        self.forwards += 1
-        picks = {r: range(n - 1, n) if last_only else range(n) for r, n in enumerate(packed.lengths) if n}
-        rows = torch.tensor([r for r, js in picks.items() for _ in js], device=dev)
-        cols = torch.tensor([j for js in picks.values() for j in js], device=dev)
-        logits = draft_logits(self.model, self.vocab, hidden[rows, cols])  # [N, V]
-        return dict(zip(picks, logits.split([len(js) for js in picks.values()]), strict=True))
+        span = self.cache.span
+        hidden = forward_rows(feeds, span, [valid.get(r, 0) for r in range(span)], run)
+        picked = {r: h[-1:] if last_only else h for r, h in hidden.items()}
+        logits = draft_logits(model, self.vocab, torch.cat(list(picked.values())))  # [N, V]
+        return dict(zip(picked, logits.split([h.shape[0] for h in picked.values()]), strict=True))
 
 
 def _chain_input(ids: list[int], start: int) -> RowInput:

@@ -22,7 +22,7 @@ from specdecode.model.kv_cache import KVCache
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
 from specdecode.proposers.head_columns import HeadColumns
 from specdecode.proposers.heads import eagle_level_seconds
-from specdecode.proposers.ragged import RowInput, pack
+from specdecode.proposers.ragged import Packed, RowInput, forward_rows
 from specdecode.proposers.row_cache import RowCache
 from specdecode.proposers.tree_growth import TreeGrower, TreeLevel, level_width
 from specdecode.proposers.tree_value import TreeValue, node_selector
@@ -92,8 +92,10 @@ class EagleRows:
     @torch.inference_mode()
     def observe_hidden(self, key: int, hidden: torch.Tensor) -> None:
         """Target features [m, D] of the row's next m positions (prompt at prefill, kept tokens after a step); for
-        a fused-feature head, the target's captured layers [m, k * D]."""
-        row = self.rows[key]
+        a fused-feature head, the target's captured layers [m, k * D]. A row that never drafts has no state."""
+        row = self.rows.get(key)
+        if row is None:
+            return
         m = hidden.shape[0]
         self.features[row.slot][row.num_features : row.num_features + m] = self.head.input_features(hidden)
         row.num_features += m
@@ -180,20 +182,23 @@ class EagleRows:
         return roots
 
     def _forward(self, feeds: dict[int, RowInput], feats: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """One head forward over every cache row in use (rows without a feed only pad): the predicted
-        features [m, D] per fed row."""
+        """One head forward over every cache row in use (rows without a feed only pad; a long catch-up runs
+        alone): the predicted features [m, D] per fed row (`feats`: its input features [m, D])."""
         cache = self.cache.cache
         assert cache is not None
-        span = self.cache.span
-        valid = {row.slot: row.num_cached for row in self.rows.values()}
-        packed = pack(feeds, span, [valid.get(r, 0) for r in range(span)])
         dev, head = self.head.device, self.head
-        x = torch.zeros(span, packed.tokens.shape[1], head.config.hidden_size, dtype=head.dtype, device=dev)
-        for slot, f in feats.items():
-            x[slot, : f.shape[0]] = f
-        out = head(x, packed.tokens.to(dev), packed.positions.to(dev), cache.rows(0, span),
-                   slots=packed.slots.to(dev), attn_mask=packed.mask.to(dev))  # [span, M, D]
-        return {slot: out[slot, : packed.lengths[slot]] for slot in feeds}
+
+        def run(lo: int, hi: int, packed: Packed) -> torch.Tensor:
+            x = torch.zeros(hi - lo, packed.tokens.shape[1], head.config.hidden_size, dtype=head.dtype, device=dev)
+            for slot, f in feats.items():
+                if lo <= slot < hi and packed.lengths[slot - lo]:  # fed in this forward
+                    x[slot - lo, : f.shape[0]] = f
+            return head(x, packed.tokens.to(dev), packed.positions.to(dev), cache.rows(lo, hi),
+                        slots=packed.slots.to(dev), attn_mask=packed.mask.to(dev))  # [B, M, D]
+
+        valid = {row.slot: row.num_cached for row in self.rows.values()}
+        span = self.cache.span
+        return forward_rows(feeds, span, [valid.get(r, 0) for r in range(span)], run)
 
     def _logits(self, which: list[int], asks: list[ProposeRow], hidden: dict[int, torch.Tensor]
                 ) -> dict[int, torch.Tensor]:

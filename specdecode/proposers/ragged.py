@@ -10,6 +10,7 @@ never make an empty softmax. Pure: tensors in, tensors out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,3 +68,29 @@ def pack(inputs: dict[int, RowInput], rows: int, scratch: list[int]) -> Packed:
         mask[r, :n] = False
         mask[r, :n, : masks[r].shape[1]] = masks[r]
     return Packed(tokens, positions, slots, mask, lengths)
+
+
+ALONE_TOKENS = 16
+"""A row feeding more tokens than this (a catch-up over a prompt) runs in a forward of its own: padding every
+other row to its length would cost more than the second forward (a long forward is compute-bound anyway)."""
+
+
+def forward_rows(feeds: dict[int, RowInput], span: int, scratch: list[int],
+                 run: Callable[[int, int, Packed], torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Run feeds (cache row -> input) as few forwards: rows feeding up to ALONE_TOKENS together over cache rows
+    [0, span), each longer one alone. `run(lo, hi, packed)` runs one forward over cache rows [lo, hi) (row r of
+    the cache is row r - lo of `packed`) and returns its outputs [hi - lo, M, ...]. Returns each fed row's
+    outputs at its real queries [m, ...]."""
+    out = {}
+    together = {r: f for r, f in feeds.items() if len(f.tokens) <= ALONE_TOKENS}
+    scratch = list(scratch)
+    for r, f in feeds.items():
+        if r not in together:
+            packed = pack({0: f}, 1, [0])
+            out[r] = run(r, r + 1, packed)[0]
+            scratch[r] = packed.mask.shape[-1] - 1  # its padding slot: past what it just wrote
+    if together:
+        packed = pack(together, span, scratch)
+        res = run(0, span, packed)
+        out.update({r: res[r, : packed.lengths[r]] for r in together})
+    return out
