@@ -27,7 +27,7 @@ def test_start_up_measures_one_row_and_batches_when_first_run(tiny_llama_dir: Pa
     single = llm.generate(PROMPTS[0], PARAMS)[0].token_ids
     assert llm.measurement.rows == 1  # a lone prompt needs no batch shapes
     outs = llm.generate(PROMPTS, PARAMS)
-    assert llm.measurement.rows == 3 and {rows for rows, _ in llm.measurement.medians} == {1, 2, 3}
+    assert llm.measurement.rows == 3 and {rows for rows, _ in llm.measurement.medians} >= {1, 3}
     assert llm.engine.cost is llm.cost and llm.cost.target_forward_seconds(12) > 0
     assert outs[0].token_ids == single
     assert llm.batch_engine(max_num_seqs=4) is not None and llm.measurement.rows == 4

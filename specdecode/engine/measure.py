@@ -66,7 +66,10 @@ class CostMeasurement:
         if rows > self.rows and not self.flat:  # a flat curve needs only the 1-token time
             batches = sorted({2, 4, 8, 16, rows} & set(range(self.rows + 1, rows + 1)))
             if batches:
-                self._time([(b, w) for b in batches for w in self.widths], max(batches))
+                # One shape per total: the most rows (what a batch runs); the cost model keys forwards by total.
+                by_total = {b * w: (b, w) for b in batches for w in self.widths}  # batches ascending
+                shapes = sorted(by_total.values())
+                self._time(shapes, max(batches))
             self.rows = rows
         return self._model()
 
