@@ -76,14 +76,25 @@ def _two_steps(propose, verified, views: list[SequenceView], ks: list[int]) -> l
     return [first, propose(views, ks)]
 
 
-@pytest.mark.parametrize(("temperature", "tree_width", "lookup"),
-                         [(0.0, 1, None), (1.0, 1, None), (0.0, 1, (1, 3)), (1.0, 1, (1, 3)), (0.0, 2, None),
-                          (0.0, 0, None)],
-                         ids=["greedy", "sampled", "greedy-lookup", "sampled-lookup", "tree", "dynamic-tree"])
-def test_batched_draft_model_equals_per_row(temperature: float, tree_width: int, lookup) -> None:  # noqa: ANN001
+def _cheap_guesses(proposer) -> None:  # noqa: ANN001
+    """Costs under which a row skips the draft model when its lookup guess pays (the lookup-or-draft choice)."""
+    proposer.target_seconds = lambda t: 0.1
+    (proposer.probe if isinstance(proposer, DraftModelRows) else proposer)._cost = 0.02
+
+
+@pytest.mark.parametrize(("temperature", "tree_width", "lookup", "choose"),
+                         [(0.0, 1, None, False), (1.0, 1, None, False), (0.0, 1, (1, 3), False),
+                          (1.0, 1, (1, 3), False), (0.0, 1, (1, 3), True), (0.0, 2, None, False),
+                          (0.0, 0, None, False)],
+                         ids=["greedy", "sampled", "greedy-lookup", "sampled-lookup", "lookup-or-draft", "tree",
+                              "dynamic-tree"])
+def test_batched_draft_model_equals_per_row(temperature: float, tree_width: int, lookup, choose: bool) -> None:  # noqa: ANN001
     ks = [3, 4, 5, 2, 4]
     budget = 10
     singles = [DraftModelProposer(DRAFT, MAX_LEN, tree_width, 2, lookup) for _ in ks]
+    if choose:
+        for p in singles:
+            _cheap_guesses(p)
     views = _views(temperature)
     for p, v in zip(singles, views, strict=True):
         p.begin(v)
@@ -97,12 +108,18 @@ def test_batched_draft_model_equals_per_row(temperature: float, tree_width: int,
     per_row_forwards, calls[:] = len(calls), []
 
     batched = DraftModelRows(DRAFT, MAX_LEN, tree_width, 2, lookup)
+    if choose:
+        _cheap_guesses(batched)
     views = _views(temperature)
     for key, v in enumerate(views):
         batched.begin(key, v)
 
+    guessed = []
+
     def together(vs: list[SequenceView], ks: list[int]) -> list[Draft]:
-        return batched.propose([ProposeRow(i, v, k, budget) for i, (v, k) in enumerate(zip(vs, ks, strict=True))])
+        out = batched.propose([ProposeRow(i, v, k, budget) for i, (v, k) in enumerate(zip(vs, ks, strict=True))])
+        guessed.append([batched.rows[i].guessed for i in range(len(vs))])
+        return out
 
     got = _two_steps(together, lambda i, v, n: batched.on_verified(i, v, n, n), views, ks)
     hook.remove()
@@ -110,6 +127,8 @@ def test_batched_draft_model_equals_per_row(temperature: float, tree_width: int,
         for a, b in zip(step_ref, step_got, strict=True):
             _same(a, b)
     assert len(calls) == batched.forwards <= per_row_forwards / 2  # one forward serves every row
+    if choose:  # the looping row proposed its guess alone while the others drafted
+        assert any(guessed[0]) and not all(guessed[0]), guessed
 
 
 def test_rows_join_and_leave_between_steps() -> None:
