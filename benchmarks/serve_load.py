@@ -73,11 +73,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, max_num_seqs: int) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, max_num_seqs: int,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`specdecode serve` with the model flags of `args` (and `extra` flags) on a free port, once healthy."""
     port = _free_port()
     cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--dtype", args.dtype,
            "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs),
-           "--log-level", "warning"]
+           "--log-level", "warning", *extra]
     for flag, value in (("--device", args.device), ("--max-model-len", args.max_model_len),
                         ("--speculative-config", args.speculative_config), ("--draft", args.draft),
                         ("--method", args.method), ("--num-speculative-tokens", args.num_speculative_tokens)):

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, TextIO
 from specdecode.cli import (
     _add_model_args,
     _add_sampling_args,
+    add_cache_args,
+    cache_kwargs,
     fit_to_context,
     sampling_params_from_args,
     speculative_config_from_args,
@@ -31,6 +33,7 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("chat", help="chat with a model in the terminal (multi-turn, streamed)",
                        description=f"Interactive multi-turn chat with streamed replies. {COMMANDS_HELP}.")
     _add_model_args(c)
+    add_cache_args(c)
     c.add_argument("--system", default=None, help="system prompt that opens every conversation")
     _add_sampling_args(c)
     c.set_defaults(func=run_chat_command)
@@ -41,7 +44,8 @@ def run_chat_command(args: argparse.Namespace) -> int:
 
     params = sampling_params_from_args(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              speculative_config=speculative_config_from_args(args), quantization=args.quantization)
+              speculative_config=speculative_config_from_args(args), quantization=args.quantization,
+              **cache_kwargs(args))  # each turn reuses the conversation so far
     if not llm.tokenizer.has_chat_template:
         raise ValueError(f"{args.model!r} has no chat template: use `specdecode generate` for plain completion")
     try:

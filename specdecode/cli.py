@@ -37,7 +37,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target weight format: none keeps the model exact (default); int8 (weight-only), "
                         "int8-dynamic (int8 weights and per-token int8 activations, the fastest verification "
                         "on CPU) and int4 change the model (speculation stays lossless relative to the "
-                        "quantized target); gguf runs a GGUF file's own quantized blocks (AVX512-VNNI)")
+                        "quantized target); gguf runs a GGUF file's own quantized blocks (AVX512-VNNI or AVX2 kernels)")
     p.add_argument("--num-speculative-tokens", default=None, help='k, or "auto" (default)')
 
 
@@ -67,6 +67,24 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         except ValueError:
             raise ValueError(f"--num-speculative-tokens must be an integer or 'auto', got {k!r}") from None
     return cfg or None
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """Prefix caching and chunked prefill (`LLM(enable_prefix_caching=, prefix_cache_gb=, max_num_batched_tokens=)`)."""
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="prefill every prompt in full (default: reuse the K/V of earlier prompts and answers that "
+                        "start the same, e.g. a shared system prompt or the earlier turns of a chat)")
+    p.add_argument("--prefix-cache-gb", type=float, default=1.0,
+                   help="memory bound of the prefix cache's pool in GiB (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="at most this many prompt tokens prefilled per step while other requests decode: a "
+                        "longer prompt is prefilled in chunks between their steps, each costing about 1.5 of their "
+                        "steps (measured); 0 = whole prompts at once (default: %(default)s)")
+
+
+def cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"enable_prefix_caching": not args.no_prefix_caching, "prefix_cache_gb": args.prefix_cache_gb,
+            "max_num_batched_tokens": args.max_num_batched_tokens}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -64,6 +64,9 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
                 assert key in scope, (method, key)
         assert entry["overall"]["identical_rate"] == 1.0  # fp32 greedy: speculation is lossless
         assert entry["resources"]["peak_rss_bytes"] > 0
+    for method in ("plain", "plain@int8-dynamic"):  # plain engines alone, each in a child process
+        assert s["by_method"][method]["resources"]["alone_peak_rss_bytes"] > 0
+    assert "alone_peak_rss_bytes" not in s["by_method"]["ngram"]["resources"]
     assert s["by_method"]["plain"]["overall"]["speedup"] == pytest.approx(1.0)
     assert s["by_method"]["plain"]["overall"]["mean_accepted_length"] == pytest.approx(1.0)
     floor = s["memory_floor"]
@@ -77,7 +80,7 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
     md = (out / "summary.md").read_text()
     assert "## Overall" in md and "## code" in md and "## prose" in md and "specdecode bench --model" in md
-    assert "of the floor" in md
+    assert "of the floor" in md and "peak RSS alone (GiB)" in md
     assert set(s["memory_floors"]) == {"plain", "plain@int8-dynamic"}
     assert s["memory_floors"]["plain@int8-dynamic"]["weight_bytes_per_token"] < floor["weight_bytes_per_token"] / 3
     assert "### Memory floor by target format" in md
@@ -161,7 +164,8 @@ def test_bench_rounds_and_resume(tiny_llama_dir: Path, tmp_path: Path, capsys: p
     out = tmp_path / "out"
     args = ["bench", "--model", str(tiny_llama_dir), "--methods", "plain,ngram", "--dataset", str(data),
             "--max-tokens", "6", "--dtype", "fp32", "--peers", "transformers", "--peer-methods", "hf-plain",
-            "--round-size", "2", "--no-memory-floor", "--no-plots", "--no-progress", "--out", str(out)]
+            "--round-size", "2", "--no-memory-floor", "--no-plots", "--no-progress", "--no-peak-rss-alone",
+            "--out", str(out)]
     assert main(args) == 0
     full = (out / "records.jsonl").read_text().splitlines()
     assert len(full) == 3 * len(PROMPTS)
@@ -251,7 +255,8 @@ def test_resumed_run_probes_bandwidth_every_session(tiny_llama_dir: Path, tmp_pa
     data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:1]))
     out = tmp_path / "out"
     args = ["bench", "--model", str(tiny_llama_dir), "--methods", "plain", "--dataset", str(data),
-            "--max-tokens", "4", "--dtype", "fp32", "--no-plots", "--no-progress", "--out", str(out)]
+            "--max-tokens", "4", "--dtype", "fp32", "--no-plots", "--no-progress", "--no-peak-rss-alone",
+            "--out", str(out)]
     assert main(args) == 0
     assert json.loads((out / "summary.json").read_text())["bandwidth"]["read_gb_per_s"] == 60.0
     # a run stored before sessions kept their probes: its one probe is in the state's bandwidth only

@@ -1,4 +1,5 @@
-"""The GGUF kernels (`gguf_gemm`) against the `gguf` package's dequantization times the activations.
+"""The GGUF kernels (`gguf_gemm`: AVX512-VNNI, AVX2 with and without AVX-VNNI, portable C, each forced in
+turn) against the `gguf` package's dequantization times the activations.
 
 Random block bytes are valid blocks of every type once their fp16 scales are set to finite values, so each
 type is tested on arbitrary codes, scales and (K-quant) 6-bit sub-block scales.
@@ -8,7 +9,8 @@ activation is off by at most d / 2; everything after that is exact integer arith
 output n the error is therefore at most sum over blocks b of (d_b / 2) * sum_{k in b} |w[n, k]|, which the test
 checks (plus 1e-5 of sum |w x| for fp32 rounding). It also checks that the typical error is far below that
 bound (relative RMS error < 2%) and that every row of a many-row forward equals its single-row forward bit
-for bit.
+for bit. The kernels do the same integer sums and fp32 operations in the same order, so they also agree with
+each other bit for bit.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from gguf.quants import dequantize
 from specdecode.model import gguf_linear
 from specdecode.model.gguf_linear import GGUFLinear
 
-native = pytest.mark.skipif(not gguf_linear.available(), reason="GGUF kernels need AVX512-VNNI")
+native = pytest.mark.skipif(not gguf_linear.available(), reason="GGUF kernels need a C compiler")
+KERNELS = [pytest.param(k, marks=pytest.mark.skipif(gguf_linear.library(k) is None, reason=f"no {k} here"))
+           for k in gguf_linear.ISAS]
 
 Q = gguf_linear.Q
 # Byte offsets of each type's fp16 fields within a block.
@@ -51,17 +55,17 @@ def bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return 0.5 * d @ wabs.T + 1e-5 * (np.abs(x) @ np.abs(w).T)
 
 
-@native
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", gguf_linear.KERNEL_TYPES, ids=lambda t: Q(t).name)
 @pytest.mark.parametrize("rows", [1, 4, 16, 65])
-def test_matmul_against_dequantized(qtype: int, rows: int) -> None:
+def test_matmul_against_dequantized(kernel: str, qtype: int, rows: int) -> None:
     n, k = 48, 512
     raw = random_blocks(qtype, n, k)
     w = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(n).to(torch.bfloat16)
-    lin = GGUFLinear([(qtype, raw)], k, bias=bias)
-    assert lin.native and lin.weight_bytes == raw.nbytes
+    lin = GGUFLinear([(qtype, raw)], k, bias=bias, kernel=kernel)
+    assert lin.native and lin.kernel == kernel and lin.weight_bytes == raw.nbytes
     y = lin(x).double().numpy()
     ref = x.double().numpy() @ w.T + bias.double().numpy()
     err = np.abs(y - ref)
@@ -69,6 +73,34 @@ def test_matmul_against_dequantized(qtype: int, rows: int) -> None:
     assert np.sqrt((err**2).mean() / (ref**2).mean()) < 0.02
     single = torch.cat([lin(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(lin(x), single)
+
+
+@pytest.mark.parametrize("qtype", gguf_linear.KERNEL_TYPES, ids=lambda t: Q(t).name)
+def test_kernels_agree_bit_for_bit(qtype: int) -> None:
+    """Every kernel this CPU runs gives the same bits, fp32 and bf16 activations, 1 to 9 rows and more."""
+    kernels = [k for k in gguf_linear.ISAS if gguf_linear.library(k) is not None]
+    if len(kernels) < 2:
+        pytest.skip("one kernel here")
+    n, k = 32, 768 if Q(qtype).name.endswith("_K") else 96
+    raw = random_blocks(qtype, n, k, seed=3)
+    bias = torch.randn(n).to(torch.bfloat16)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(5))
+    for xs in (x, x.to(torch.bfloat16), x[:1], x[:9]):
+        outs = [GGUFLinear([(qtype, raw)], k, bias=bias, kernel=name)(xs) for name in kernels]
+        for name, y in zip(kernels[1:], outs[1:], strict=True):
+            assert torch.equal(y, outs[0]), (name, kernels[0])
+
+
+def test_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPECDECODE_GGUF_ISA forces a kernel; by default the first of ISAS this CPU runs."""
+    monkeypatch.setenv("SPECDECODE_GGUF_ISA", "scalar")
+    assert gguf_linear.isa() == "scalar"
+    assert GGUFLinear([(Q.Q8_0, random_blocks(Q.Q8_0, 16, 32))], 32).kernel == "scalar"
+    monkeypatch.setenv("SPECDECODE_GGUF_ISA", "neon")
+    with pytest.raises(ValueError, match="SPECDECODE_GGUF_ISA"):
+        gguf_linear.isa()
+    monkeypatch.delenv("SPECDECODE_GGUF_ISA")
+    assert gguf_linear.isa() == next(k for k in gguf_linear.ISAS if gguf_linear.library(k) is not None)
 
 
 @native
@@ -95,10 +127,11 @@ def test_fused_parts_of_mixed_types() -> None:
 
 
 def test_fallback_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No AVX512-VNNI (or SPECDECODE_NATIVE_KERNELS=0): the linear holds its dequantized weights, with a warning."""
-    monkeypatch.setattr(gguf_linear, "available", lambda: False)
+    """No kernel (no C compiler, or SPECDECODE_NATIVE_KERNELS=0): the linear holds its dequantized weights, with
+    a warning."""
+    monkeypatch.setattr(gguf_linear, "isa", lambda: None)
     raw = random_blocks(Q.Q4_K, 16, 256)
-    with pytest.warns(UserWarning, match="AVX512-VNNI"):
+    with pytest.warns(UserWarning, match="GGUF kernels unavailable"):
         lin = GGUFLinear([(Q.Q4_K, raw)], 256, dtype=torch.float32)
     assert not lin.native
     x = torch.randn(3, 256)

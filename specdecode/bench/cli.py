@@ -67,6 +67,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="size our methods' k and trees as if verifying a full tree cost one forward (a GPU): "
                         "shows the τ such hardware would get; tokens/s remain this machine's")
     b.add_argument("--no-warmup", action="store_true", help="do not run the warm-up generation per method")
+    b.add_argument("--no-peak-rss-alone", action="store_true",
+                   help="skip the child process per plain engine (ours, llama.cpp's) that measures its peak RSS alone")
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--peer-methods", type=_csv, default=None,
@@ -106,7 +108,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         temperature=args.temperature, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         peers=args.peers, seed=args.seed, warmup=not args.no_warmup, bandwidth_gb=args.bandwidth_gb,
         plots=not args.no_plots, progress=not args.no_progress, heads=heads, round_size=args.round_size,
-        flat_verify_cost=args.flat_verify_cost,
+        flat_verify_cost=args.flat_verify_cost, peak_rss_alone=not args.no_peak_rss_alone,
         resume=args.resume, peer_methods=args.peer_methods, redo=args.redo, report_only=args.report_only,
     )
     if (args.redo or args.report_only) and not args.resume:
@@ -150,7 +152,7 @@ def _command_line(args: argparse.Namespace) -> str:
     for flag, value in optional.items():
         if value is not None:
             parts += [flag, str(value)]
-    for flag in ("compare_table", "no_warmup", "no_plots", "no_progress", "resume"):
+    for flag in ("compare_table", "no_warmup", "no_peak_rss_alone", "no_plots", "no_progress", "resume"):
         if getattr(args, flag):
             parts.append("--" + flag.replace("_", "-"))
     parts += ["--out", str(args.out)]

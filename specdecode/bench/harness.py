@@ -78,6 +78,8 @@ class BenchConfig:
     redo: list[str] = field(default_factory=list)
     """With resume: methods whose stored records are dropped and measured again."""
     report_only: bool = False
+    peak_rss_alone: bool = True
+    """Measure each plain engine's (ours and llama.cpp's) peak RSS alone, in a child process (`child_rss`)."""
     """With resume: write the summary and plots of the records so far, measuring nothing."""
 
 
@@ -298,7 +300,9 @@ class BenchRun:
             llm, load_seconds = _timed(lambda: LLM(cfg.model, dtype=cfg.dtype, device=cfg.device,
                                                    speculative_config=spec.speculative_config,
                                                    max_model_len=cfg.max_model_len, seed=cfg.seed,
-                                                   quantization=spec.quantization))
+                                                   quantization=spec.quantization,
+                                                   # each prompt once, prefilled in full, as the peers do
+                                                   enable_prefix_caching=False))
             rss_loaded = current_rss()
             if state.prompt_ids is None:  # the target's chat template, once, shared by every method
                 state.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in self.prompts]
@@ -467,7 +471,36 @@ class BenchRun:
                         self._run_peer(peer, todo_by_method, bar)
         finally:
             bar.close()
+        if cfg.peak_rss_alone and state.prompt_ids:
+            self._measure_alone(specs, peers)
         return self._write_outputs()
+
+    def _measure_alone(self, specs: list[MethodSpec], peers: list[Any]) -> None:
+        """Peak RSS of each plain engine alone (ours in each format, llama.cpp's), once per method: the first
+        prompt, the run's max tokens, the same context size and threads."""
+        from specdecode.bench.child_rss import peak_rss_alone
+        from specdecode.engine.llm import DEFAULT_MAX_MODEL_LEN
+        from specdecode.fetch import resolve_model
+        from specdecode.model.load import read_config
+
+        cfg, state = self.cfg, self.state
+        assert state is not None and state.prompt_ids is not None
+        path = resolve_model(cfg.model)
+        n_ctx = min(cfg.max_model_len or DEFAULT_MAX_MODEL_LEN, read_config(path).max_position_embeddings)
+        jobs = [(s.name, "specdecode", s.quantization) for s in specs if s.speculative_config is None]
+        jobs += [("llamacpp-plain", "llama.cpp", "none") for p in peers if "llamacpp-plain" in self._peer_names(p)]
+        for name, engine, quantization in jobs:
+            res = state.resources.get(name)
+            if res is None or res.get("alone_peak_rss_bytes") is not None:
+                continue
+            try:
+                alone = peak_rss_alone(engine, str(path) if engine == "llama.cpp" else cfg.model, state.prompt_ids[0],
+                                       cfg.max_tokens, n_ctx, torch.get_num_threads(), cfg.dtype, quantization)
+            except Exception as exc:  # noqa: BLE001 - a missing figure is a note, not a failed run
+                state.add_note(f"{name}: peak RSS alone not measured ({type(exc).__name__}: {exc})")
+                continue
+            state.resources[name] = {**res, "alone_peak_rss_bytes": alone["peak_rss_bytes"]}
+        state.save()
 
     def _probe_bandwidth(self) -> None:
         """Probe the read bandwidth now (at the start of each session and between rounds); the floor uses

@@ -64,22 +64,22 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _row(method: str, s: dict[str, Any], peak: Any) -> str:
+def _row(method: str, s: dict[str, Any], peak: Any, alone: Any) -> str:
     own = ""
     if "speedup_vs_own_plain" in s:
         own = f" ({_f(s.get('speedup_vs_own_plain'), suffix='×')} vs own plain)"
     return (
         f"| {method} | {_f(s['tokens_per_second'])} | {_f(s['speedup'], suffix='×')}{own} "
         f"| {_f(s['mean_accepted_length'])} | {_f(s['acceptance_rate'], '{:.0%}')} "
-        f"| {_f(s['identical_rate'], '{:.0%}')} | {_gib(peak)} | {s['prompts']} | {s['output_tokens']} "
+        f"| {_f(s['identical_rate'], '{:.0%}')} | {_gib(peak)} | {_gib(alone)} | {s['prompts']} | {s['output_tokens']} "
         f"| {_f(s['draft_seconds'], '{:.1f}')} / {_f(s['verify_seconds'], '{:.1f}')} |"
     )
 
 
 _HEADER = (
-    "| method | tok/s | speedup vs plain | τ | acceptance | identical to plain | peak RSS (GiB) | prompts "
-    "| output tokens | draft / verify s |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| method | tok/s | speedup vs plain | τ | acceptance | identical to plain | peak RSS (GiB) "
+    "| peak RSS alone (GiB) | prompts | output tokens | draft / verify s |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -90,8 +90,8 @@ def _table(summary: dict[str, Any], task: str | None) -> str:
         s = entry["overall"] if task is None else entry["tasks"].get(task)
         if s is None:
             continue
-        peak = entry.get("resources", {}).get("peak_rss_bytes")
-        lines.append(_row(method, s, peak))
+        res = entry.get("resources", {})
+        lines.append(_row(method, s, res.get("peak_rss_bytes"), res.get("alone_peak_rss_bytes")))
     return "\n".join(lines)
 
 
@@ -171,7 +171,9 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
         "τ = output tokens / target forwards (steps, prefill included); acceptance = accepted / drafted tokens; "
         "speedup = mean tok/s ÷ mean tok/s of `plain` on the same prompts (ratio of means); peers' speedup is "
         "also given against their own plain run. Peak RSS is sampled over the method's load and run "
-        "(a peer's models share one process lifetime).",
+        "(a peer's models share one process lifetime); peak RSS alone is a plain engine's (ours per format, "
+        "llama.cpp's) in a child process of its own, one generation of the first prompt at the same context "
+        "size (ours includes the interpreter and torch, ~0.3 GiB; llama.cpp's the interpreter only).",
         "",
         "## Overall",
         "",

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
+from specdecode.engine.chunking import MIN_CHUNK_TOKENS, chunk_tokens, smoothed
 from specdecode.engine.plan import RowTree, StepPlan, build_plan
+from specdecode.engine.prefix_cache import Block, PrefixCache
 from specdecode.engine.schedule import Lengths, RowWant, choose_lengths, node_budget
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_verify import Verified, start_sequence, verify_rows
@@ -52,6 +54,13 @@ class Running:
     policy: AdaptiveK | None
     """None: the row never drafts (no proposer, or the request asked for k = 0)."""
     k_override: int | None = None
+    prefilled: int = 0
+    """Prompt tokens whose K/V is in the row (a prefix-cache hit, then prefill chunks)."""
+    started: float = 0.0
+    """perf_counter when its first prefill forward began (0: not yet)."""
+    features: torch.Tensor | None = None
+    """[max_len, F] the target's features of the row's kept positions, pooled with its K/V blocks (only for
+    proposers that read them, with the prefix cache on)."""
 
 
 class Engine:
@@ -60,7 +69,8 @@ class Engine:
     def __init__(self, target: Transformer, max_len: int, proposer: BatchProposer | None = None, k_max: int = 0,
                  fixed_k: int | None = None, cost: CostModel | None = None, max_num_seqs: int = 8,
                  max_waiting: int | None = 64, tree_lookup: tuple[int, int] | None = None,
-                 allocate: bool = True) -> None:
+                 allocate: bool = True, prefix_cache: PrefixCache | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:
         self.target = target
         self.max_len = max_len
         self.max_num_seqs = max_num_seqs
@@ -78,7 +88,18 @@ class Engine:
         self.cache: KVCache | None = None
         if allocate:
             self.reserve(max_num_seqs)
+        self.prefix_cache = prefix_cache
+        """K/V of finished prefixes (None: prefix caching off)."""
+        self.max_num_batched_tokens = max_num_batched_tokens
+        """At most this many prompt tokens prefilled per step while other rows decode (None: a whole prompt at
+        once); the chunk is the largest that costs about `CHUNK_STEP_RATIO` decode steps (engine/chunking.py)."""
+        self._decode_seconds: float | None = None
+        """Running average of a step's decode phase (propose, forward, verify, commit)."""
+        self._chunk_token_seconds: float | None = None
+        """Running average of a prefill chunk's seconds per token, measured on chunks run while rows decode."""
         self.running: list[Running] = []
+        self.prefilling: Running | None = None
+        """The request whose prompt is being prefilled in chunks, in the row after the running ones."""
         self.waiting: deque[tuple[Sequence, int | None]] = deque()
         self.last_step_seconds = 0.0
         self._keys = itertools.count()
@@ -119,6 +140,7 @@ class Engine:
         if self.cache is not None:
             old = self.cache.batch_size
             cache.k[:, :old], cache.v[:, :old] = self.cache.k, self.cache.v
+            cache.pos[:old] = self.cache.pos
             cache.lengths[:old] = self.cache.lengths
         self.cache = cache
 
@@ -143,6 +165,15 @@ class Engine:
                 del self.waiting[i]
                 seq._finish("abort")
                 return True
+        r = self.prefilling
+        if r is not None and r.seq.request_id == request_id:
+            r.seq._finish("abort")
+            if r.policy is not None and self.proposer is not None:
+                self.proposer.release(r.key)
+            assert self.cache is not None
+            self.cache.lengths[len(self.running)] = 0
+            self.prefilling = None
+            return True
         for i, r in enumerate(self.running):
             if r.seq.request_id == request_id:
                 r.seq._finish("abort")
@@ -151,26 +182,45 @@ class Engine:
         return False
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.prefilling)
 
     @property
     def kv_usage(self) -> float:
         """Fraction of cache slots holding live tokens."""
         used = sum(len(r.seq.token_ids) for r in self.running)
+        used += self.prefilling.prefilled if self.prefilling is not None else 0
         return used / (self.max_num_seqs * self.max_len)
 
     def _admit(self) -> list[Sequence]:
+        """Prefill newcomers one at a time, in arrival order, into the row after the running ones. While rows
+        decode, at most max_num_batched_tokens prompt tokens per step (a long prompt takes several steps, and
+        the running rows get a token each step); otherwise whole prompts. Returns the sequences that joined."""
+        budget = None
+        if self.running and self.max_num_batched_tokens is not None:
+            budget = chunk_tokens(self.max_num_batched_tokens, self._decode_seconds, self._chunk_token_seconds)
         admitted = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq, k_override = self.waiting.popleft()
-            self.reserve(len(self.running) + 1)
-            drafts = self.proposer is not None and k_override != 0
-            policy = self._policy(k_override) if drafts else None
-            r = Running(seq, next(self._keys), policy, k_override)
+        while budget is None or budget > 0:
+            r = self.prefilling
+            if r is None:
+                if not self.waiting or len(self.running) >= self.max_num_seqs:
+                    break
+                r = self.prefilling = self._start_prefill()
+            left = r.seq.prompt_len - r.prefilled
+            chunk = left if budget is None else min(left, budget)
+            t0 = time.perf_counter()
+            self._prefill(r, len(self.running), chunk)
+            if budget is not None:
+                budget -= chunk
+                if chunk >= MIN_CHUNK_TOKENS:  # a few tokens cost mostly the forward's fixed part: no measure
+                    per_token = (time.perf_counter() - t0) / chunk
+                    self._chunk_token_seconds = smoothed(self._chunk_token_seconds, per_token)
+            if r.prefilled < r.seq.prompt_len:
+                break
+            self.prefilling = None
             self.running.append(r)
-            self._prefill(r, len(self.running) - 1)
-            admitted.append(seq)
-            if seq.finished:
+            self._remember(len(self.running) - 1)  # a prompt shared by requests right behind it
+            admitted.append(r.seq)
+            if r.seq.finished:
                 self._release(len(self.running) - 1)
         return admitted
 
@@ -181,24 +231,56 @@ class Engine:
         assert self.row_cost is not None, "an adaptive draft length needs the measured cost (measure_cost)"
         return AdaptiveK(self.row_cost)
 
-    def _prefill(self, r: Running, row: int) -> None:
-        t0 = time.perf_counter()
-        seq = r.seq
+    def _start_prefill(self) -> Running:
+        """Take the next waiting request into the free row; copy in its longest pooled prefix."""
+        seq, k_override = self.waiting.popleft()
+        self.reserve(len(self.running) + 1)
         assert self.cache is not None
-        dev = self.target.device
-        ids = torch.tensor([seq.token_ids], device=dev)
-        pos = torch.arange(len(seq.token_ids), device=dev).unsqueeze(0)
-        hidden = self.target(ids, pos, self.cache.rows(row, row + 1))  # [1, P, D]
-        logits = self.target.compute_logits(hidden[0, -1:])  # the output matrix is the largest: last row only
-        self.cache.set_length(row, seq.prompt_len)
-        if r.policy is not None:
+        drafts = self.proposer is not None and k_override != 0
+        policy = self._policy(k_override) if drafts else None
+        r = Running(seq, next(self._keys), policy, k_override)
+        row = len(self.running)
+        hidden = policy is not None and self.proposer is not None and self.proposer.capabilities.target_hidden
+        blocks: list[Block] = []
+        if self.prefix_cache is not None:
+            # The prompt's last token is always computed: its logits give the first output token.
+            blocks = self.prefix_cache.match(seq.token_ids, seq.prompt_len - 1, need_features=hidden)
+        size = self.prefix_cache.block_size if self.prefix_cache is not None else 0
+        for i, b in enumerate(blocks):
+            self.cache.write_span(row, i * size, b.k, b.v)
+        r.prefilled = len(blocks) * size
+        seq.cached_tokens = r.prefilled
+        self.cache.set_length(row, r.prefilled)
+        if policy is not None:
             assert self.proposer is not None
             self.proposer.begin(r.key, seq.view())
-            self._share_hidden(r, hidden, 0, slice(None))
-        start_sequence(seq, logits, t0)
+            if blocks and hidden:
+                cached = torch.cat([b.features for b in blocks])  # type: ignore[misc]  # [prefilled, F]
+                self._keep_features(r, cached, 0)
+                self.proposer.observe_hidden(r.key, cached)
+        return r
+
+    def _prefill(self, r: Running, row: int, n: int) -> None:
+        """Prefill the next n prompt tokens of r in `row`; the last chunk emits the first output token."""
+        seq = r.seq
+        assert self.cache is not None
+        if not r.started:  # the request's own timing starts with its first forward
+            r.started = time.perf_counter()
+        dev = self.target.device
+        start = r.prefilled
+        ids = torch.tensor([seq.token_ids[start : start + n]], device=dev)
+        pos = torch.arange(start, start + n, device=dev).unsqueeze(0)
+        hidden = self.target(ids, pos, self.cache.rows(row, row + 1))  # [1, n, D]
+        r.prefilled = start + n
+        self.cache.set_length(row, r.prefilled)
+        self._share_hidden(r, hidden, 0, slice(None), start)
+        if r.prefilled == seq.prompt_len:
+            logits = self.target.compute_logits(hidden[0, -1:])  # the output matrix is the largest: last row only
+            start_sequence(seq, logits, r.started)
 
     def _release(self, row: int) -> None:
         assert self.cache is not None
+        self._remember(row)
         if self.running[row].policy is not None and self.proposer is not None:
             self.proposer.release(self.running[row].key)
         last = len(self.running) - 1
@@ -207,13 +289,46 @@ class Engine:
             self.running[row] = self.running[last]
         self.cache.lengths[last] = 0
         self.running.pop()
+        if self.prefilling is not None:  # it stays in the row right after the running ones
+            self.cache.move_row(last + 1, last)
 
-    def _share_hidden(self, r: Running, hidden: torch.Tensor, row: int, index: slice | list[int]) -> None:
-        """Head proposers read the target's features of the positions just kept: from the forward's final-norm
-        output hidden [B, T, D], or from the layers it captured for a fused-feature head."""
-        if self.proposer is not None and self.proposer.capabilities.target_hidden:
+    def _remember(self, row: int) -> None:
+        """Pool the committed full blocks of a running row (its K/V, and features where kept)."""
+        pool, cache = self.prefix_cache, self.cache
+        if pool is None or cache is None:
+            return
+        r = self.running[row]
+        # Slots below the length hold committed tokens only; a stop inside an accepted block keeps fewer.
+        n = min(cache.lengths[row], len(r.seq.token_ids))
+        size = pool.block_size
+        hidden = r.policy is not None and self.proposer is not None and self.proposer.capabilities.target_hidden
+        if hidden and r.features is None:
+            return
+
+        def read(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            k, v = cache.read_span(row, i * size, size)
+            features = r.features[i * size : (i + 1) * size].clone() if r.features is not None else None
+            return k, v, features
+
+        pool.insert(r.seq.token_ids[:n], read)
+
+    def _keep_features(self, r: Running, features: torch.Tensor, at: int) -> None:
+        """Record features [m, F] of positions at.. for pooling (prefix cache on, a feature-reading proposer)."""
+        if self.prefix_cache is None:
+            return
+        if r.features is None:
+            r.features = torch.empty(self.max_len + MAX_TREE_NODES, features.shape[-1], dtype=features.dtype,
+                                     device=features.device)
+        r.features[at : at + features.shape[0]] = features
+
+    def _share_hidden(self, r: Running, hidden: torch.Tensor, row: int, index: slice | list[int], at: int) -> None:
+        """Head proposers read the target's features of the positions just kept (from position `at` on): from the
+        forward's final-norm output hidden [B, T, D], or from the layers it captured for a fused-feature head."""
+        if r.policy is not None and self.proposer is not None and self.proposer.capabilities.target_hidden:
             source = hidden if self.target.captured is None else self.target.captured
-            self.proposer.observe_hidden(r.key, source[row, index])
+            kept = source[row, index]
+            self._keep_features(r, kept, at)
+            self.proposer.observe_hidden(r.key, kept)
 
     # ---- one step -------------------------------------------------------------------------------------
 
@@ -223,6 +338,7 @@ class Engine:
         touched = self._admit()  # schedule: admission (and the newcomers' prefill)
         if not self.running:
             return touched
+        t_decode = time.perf_counter()
         lengths = self._schedule()
         t0 = time.perf_counter()
         rows = self._propose(lengths)
@@ -234,7 +350,9 @@ class Engine:
         touched += [r.seq for r in self.running]
         for i in reversed(self._commit(plan, rows, verdicts, hidden, seconds)):  # and observe/adapt
             self._release(i)
-        self.last_step_seconds = time.perf_counter() - t_start
+        end = time.perf_counter()
+        self.last_step_seconds = end - t_start
+        self._decode_seconds = smoothed(self._decode_seconds, end - t_decode)
         self._log_step(lengths, rows, t1 - t0)
         return touched
 
@@ -302,7 +420,7 @@ class Engine:
             if v.nodes != list(range(1, len(v.nodes) + 1)):  # a chain's accepted prefix is already in place
                 self.cache.compact(i, [start + n for n in v.nodes], start + 1)
             self.cache.set_length(i, start + 1 + len(v.nodes))  # the pending token and the accepted drafts
-            self._share_hidden(r, hidden, i, [0, *v.nodes])
+            self._share_hidden(r, hidden, i, [0, *v.nodes], start)
             emitted = 0
             for tok in v.tokens:
                 seq.append(tok)

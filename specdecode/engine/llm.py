@@ -13,6 +13,7 @@ from specdecode.config import SpeculativeConfig
 from specdecode.engine.adaptive import CostModel
 from specdecode.engine.core import Engine
 from specdecode.engine.measure import CostMeasurement
+from specdecode.engine.prefix_cache import DEFAULT_POOL_GB, PrefixCache
 from specdecode.engine.sequence import RequestOutput, Sequence
 from specdecode.engine.validation import (
     check_draft_rows,
@@ -48,6 +49,8 @@ from specdecode.tree import MAX_TREE_NODES
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+"""Prompt tokens per step while others decode: on a CPU a chunk this long costs a few decode steps."""
 
 Prompt = str | list[int] | dict[str, Any]
 """Text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids}."""
@@ -70,6 +73,12 @@ class LLM:
             speculative decoding stays lossless relative to the quantized target), or "gguf" (a .gguf target's
             own quantized blocks, not dequantized: llama.cpp's model in about the file's memory; CPU).
         max_num_seqs: requests `generate` runs at once as one batch (more wait for a free row).
+        enable_prefix_caching: keep the K/V of finished prompts and responses in a pool and reuse it for later
+            prompts that start with the same tokens (on by default; output unchanged).
+        prefix_cache_gb: the pool's bound in GiB (least recently used blocks go first).
+        max_num_batched_tokens: at most this many prompt tokens prefilled per step while other requests decode
+            (a longer prompt is prefilled in chunks between their steps, each sized to cost about 1.5 of their
+            steps); None or 0: whole prompts at once.
     """
 
     def __init__(
@@ -82,7 +91,15 @@ class LLM:
         seed: int = 0,
         quantization: str = "none",
         max_num_seqs: int = 8,
+        enable_prefix_caching: bool = True,
+        prefix_cache_gb: float = DEFAULT_POOL_GB,
+        max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     ) -> None:
+        if prefix_cache_gb < 0:
+            raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 0:
+            raise ValueError(f"max_num_batched_tokens must be >= 0, got {max_num_batched_tokens}")
+        self.max_num_batched_tokens = max_num_batched_tokens or None
         self.spec = SpeculativeConfig.from_any(speculative_config)
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = parse_dtype(dtype)
@@ -156,6 +173,9 @@ class LLM:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
             self.proposer_factory = lambda: NgramProposer(lo, hi)
         self.tree_lookup = lookup
+        self.prefix_cache = (PrefixCache(int(prefix_cache_gb * 2**30))
+                             if enable_prefix_caching and prefix_cache_gb > 0 else None)
+        """One pool for every engine over these weights (`generate`'s and the server's)."""
         self.max_num_seqs = max_num_seqs
         self.k_max = spec.k_max if spec is not None else 0
         self.fixed_k = None if (spec is None or spec.adaptive) else int(spec.num_speculative_tokens)
@@ -197,14 +217,18 @@ class LLM:
     def _engine(self, proposer: BatchProposer | None, cost: CostModel | None, max_num_seqs: int,
                 max_waiting: int | None, allocate: bool) -> Engine:
         return Engine(self.target.model, self.max_model_len, proposer, self.k_max, self.fixed_k, cost, max_num_seqs,
-                      max_waiting, self.tree_lookup, allocate=allocate)
+                      max_waiting, self.tree_lookup, allocate=allocate, prefix_cache=self.prefix_cache,
+                      max_num_batched_tokens=self.max_num_batched_tokens)
 
     def batch_engine(self, max_num_seqs: int = 8, max_waiting: int = 64) -> Engine:
         """A continuous-batching engine over the same weights, for serving (the one engine core, with its own
         cache rows allocated now and its own drafting states); measures its cost unless `generate`'s covers
         as many rows."""
         # Every row's KV cache is allocated up front: refuse now rather than run out of memory under load.
-        check_memory(self._row_cache_parts(max_num_seqs), self.device)
+        parts = self._row_cache_parts(max_num_seqs)
+        if self.prefix_cache is not None:
+            parts.append(("prefix cache", self.prefix_cache.max_bytes))
+        check_memory(parts, self.device)
         proposer = self.new_proposer(max_num_seqs)
         cost = self.cost
         if proposer is not None:

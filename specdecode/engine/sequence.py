@@ -34,7 +34,8 @@ class RequestOutput:
     finish_reason: str | None
     """"stop" (EOS, stop token or stop string) or "length" (max_tokens or context)."""
     metrics: dict = field(default_factory=dict)
-    """prompt_tokens, output_tokens, seconds, tokens_per_second, prefill_seconds + speculative stats."""
+    """prompt_tokens, output_tokens, seconds, tokens_per_second, prefill_seconds, cached_tokens (prompt tokens
+    read from the prefix cache) + speculative stats."""
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -75,6 +76,8 @@ class Sequence:
         self.stats = SpecStats()
         self.start_time = time.perf_counter()
         self.prefill_seconds = 0.0
+        self.cached_tokens = 0
+        """Prompt tokens whose K/V came from the prefix cache (not prefilled)."""
         self.end_time: float | None = None
 
     @property
@@ -141,6 +144,7 @@ class Sequence:
             "seconds": seconds,
             "tokens_per_second": n / seconds if seconds > 0 else 0.0,
             "prefill_seconds": self.prefill_seconds,
+            "cached_tokens": self.cached_tokens,
             **self.stats.to_dict(),
         }
         return RequestOutput(

@@ -65,9 +65,15 @@ def estimate_bytes(cfg: ModelConfig, dtype: torch.dtype, max_len: int, batch: in
                    device: torch.device | None = None, gguf_file: Path | None = None) -> int:
     """Weights in `dtype` plus a KV cache of max_len tokens per row, plus activation headroom. A tied output
     matrix counts twice where the CPU's bf16 kernel keeps its own re-laid-out copy of it (AVX2 and AMX CPUs).
-    `gguf_file`: the weights are that file's blocks, kept as they are (quantization "gguf"): its size."""
+    `gguf_file`: the weights are that file's blocks, kept as they are (quantization "gguf"): what
+    `gguf_model.held_bytes` counts from its header."""
     width = torch.finfo(dtype).bits // 8
-    weights = cfg.num_parameters() * width if gguf_file is None else gguf_file.stat().st_size
+    if gguf_file is None:
+        weights = cfg.num_parameters() * width
+    else:
+        from specdecode.model.gguf_model import held_bytes
+
+        weights = held_bytes(gguf_file, dtype)
     on_cpu = device is None or device.type == "cpu"
     if cfg.tie_word_embeddings and dtype == torch.bfloat16 and on_cpu and bf16_copies_weights() and not gguf_file:
         weights += cfg.vocab_size * cfg.hidden_size * width

@@ -1,14 +1,15 @@
 """GGUF models at their own quantization: linears that keep the file's quantized blocks (`quantization="gguf"`).
 
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K tensors are re-laid out once into tiles of 16 output channels
-(kernels/gguf_kernels.c describes the layout; the bytes are the file's) and multiplied by
-`gguf_gemm`: activations quantized per row and block of 32 to int8, exact integer block dot products with
-`vpdpbusd` (AVX512-VNNI), the blocks' scales applied in fp32. Each decoded weight block serves up to 8 rows
-at once, so a verification forward of many rows reads the weights once.
+(kernels/gguf_common.c describes the layout; the bytes are the file's) and multiplied by `gguf_gemm`:
+activations quantized per row and block of 32 to int8, exact integer block dot products, the blocks' scales
+applied in fp32. Each decoded weight block serves several rows at once, so a verification forward of many
+rows reads the weights once. The kernel is chosen at run time from the CPU's flags (`isa()`): AVX512-VNNI,
+AVX2 with AVX-VNNI, AVX2 (+FMA), else portable C; all give the same bits.
 
-Where the kernel cannot run (no AVX512-VNNI, no C compiler, SPECDECODE_NATIVE_KERNELS=0) or a tensor has
-another type (F16, Q2_K...), the linear keeps the dequantized weights in the model dtype instead, with a
-warning: the same model, the bf16 path's memory.
+Where no kernel builds (no C compiler, SPECDECODE_NATIVE_KERNELS=0) or a tensor has another type (F16,
+Q2_K...), the linear keeps the dequantized weights in the model dtype instead, with a warning: the same
+model, the bf16 path's memory.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from torch import nn
 
 from specdecode.model import native_kernels
 
-SOURCE = native_kernels.SOURCE.with_name("gguf_kernels.c")
+KERNELS = native_kernels.SOURCE.parent
+ISAS = ("avx512", "avxvnni", "avx2", "scalar")
+"""The kernels, fastest first: `isa()` takes the first that builds and runs on this CPU."""
+_KERNEL_SOURCE = {"avx512": "gguf_kernels.c", "avxvnni": "gguf_kernels_avx2.c", "avx2": "gguf_kernels_avx2.c",
+                  "scalar": "gguf_kernels_scalar.c"}
+_KERNEL_FLAGS = {"avx512": [], "avxvnni": ["-mavx2", "-mfma", "-mavxvnni"], "avx2": ["-mavx2", "-mfma"],
+                 "scalar": ["-lm"]}
+# -ffp-contract=off: no fused multiply-adds but the written ones, so every kernel rounds alike.
+_FLAGS = [*native_kernels.FLAGS, "-ffp-contract=off"]
 Q = GGMLQuantizationType
 KERNEL_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 """Block types `gguf_gemm` multiplies in place."""
@@ -38,27 +47,33 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
 class Part(ctypes.Structure):
-    """gguf_kernels.c's `gguf_part_t`."""
+    """gguf_common.c's `gguf_part_t`."""
 
     _fields_ = [("type", ctypes.c_int64), ("n", ctypes.c_int64), ("data", ctypes.c_void_p)]
 
 
 class LinearDesc(ctypes.Structure):
-    """gguf_kernels.c's `gguf_linear_t`."""
+    """gguf_common.c's `gguf_linear_t`."""
 
     _fields_ = [("n_parts", ctypes.c_int64), ("parts", Part * 4)]
 
 
+def source(isa: str) -> str:
+    """The C source of one kernel's library: the shared part, the kernel, the GEMM around it."""
+    return "\n".join((KERNELS / name).read_text() for name in ("gguf_common.c", _KERNEL_SOURCE[isa], "gguf_driver.c"))
+
+
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library(isa: str) -> ctypes.CDLL | None:
+    """The kernel library for `isa` (one of ISAS), if it builds and this CPU runs it."""
     if os.environ.get("SPECDECODE_NATIVE_KERNELS", "1") == "0":
         return None
     from specdecode.native_build import BuildError, build_shared
 
     try:
-        path = build_shared(SOURCE.read_text(), "gguf-kernels", native_kernels.FLAGS)
+        path = build_shared(source(isa), f"gguf-kernels-{isa}", [*_FLAGS, *_KERNEL_FLAGS[isa]])
     except BuildError as exc:
-        warnings.warn(f"GGUF kernels not built: {exc}", stacklevel=3)
+        warnings.warn(f"GGUF kernels ({isa}) not built: {exc}", stacklevel=3)
         return None
     lib = ctypes.CDLL(str(path))
     if not lib.gguf_supported():
@@ -70,14 +85,25 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def isa() -> str | None:
+    """The kernel GGUF linears take: SPECDECODE_GGUF_ISA if set (one of ISAS, e.g. `avx2` to run the AVX2
+    kernel on an AVX512 CPU), else the fastest this CPU runs; None where none builds."""
+    forced = os.environ.get("SPECDECODE_GGUF_ISA", "")
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"SPECDECODE_GGUF_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+        return forced if library(forced) is not None else None
+    return next((name for name in ISAS if library(name) is not None), None)
+
+
 def available() -> bool:
-    """The GGUF kernels build and run here (AVX512-VNNI)."""
-    return _library() is not None
+    """A GGUF kernel builds and runs here (the scalar one wherever a C compiler is)."""
+    return isa() is not None
 
 
-def gemm_address() -> int:
-    """Address of `gguf_gemm`, for the native decoder stack's GEMM_FN entries."""
-    lib = _library()
+def gemm_address(kernel: str | None = None) -> int:
+    """Address of `gguf_gemm` of `kernel` (default: `isa()`), for the native decoder stack's GEMM_FN entries."""
+    lib = library(kernel or isa() or "")
     assert lib is not None
     return ctypes.cast(lib.gguf_gemm, ctypes.c_void_p).value or 0
 
@@ -128,7 +154,8 @@ def repack(qtype: int, raw: np.ndarray, k: int, native: bool = True) -> torch.Te
     if n % TILE or k % bk:
         raise ValueError(f"{Q(qtype).name} [{n}, {k}]: rows must be a multiple of {TILE}, columns of {bk}")
     nb, t, subs = k // bk, n // TILE, bk // 32
-    lib = _library() if native else None
+    kernel = isa() if native else None
+    lib = library(kernel) if kernel else None
     if lib is not None:
         src = np.ascontiguousarray(raw)
         dst = native_kernels._huge_page_bytes(src.size)
@@ -167,12 +194,14 @@ class GGUFLinear(nn.Module):
     (torch's matmul)."""
 
     def __init__(self, parts: list[tuple[int, np.ndarray]], in_features: int, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, kernel: str | None = None) -> None:
         super().__init__()
+        self.kernel = kernel or isa()  # one of ISAS
         self.in_features = in_features
         self.out_features = sum(raw.shape[0] for _, raw in parts)
         self.types = tuple(int(t) for t, _ in parts)
-        self.native = (available() and len(parts) <= 4 and all(t in KERNEL_TYPES for t in self.types)
+        self.native = (self.kernel is not None and library(self.kernel) is not None and len(parts) <= 4
+                       and all(t in KERNEL_TYPES for t in self.types)
                        and all(raw.shape[0] % TILE == 0 for _, raw in parts))
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16).clone()
         if self.native:
@@ -182,9 +211,9 @@ class GGUFLinear(nn.Module):
             for i, ((t, raw), p) in enumerate(zip(parts, self.packed, strict=True)):
                 self.desc.parts[i] = Part(int(t), raw.shape[0], p.data_ptr())
         else:
-            if not available():
-                warnings.warn("GGUF kernels unavailable (they need AVX512-VNNI): the GGUF linears run "
-                              "dequantized", stacklevel=2)
+            if self.kernel is None:
+                warnings.warn("GGUF kernels unavailable (no C compiler, or SPECDECODE_NATIVE_KERNELS=0): the GGUF "
+                              "linears run dequantized", stacklevel=2)
             self.weight = torch.cat([torch.from_numpy(dequantize(raw, t).reshape(raw.shape[0], in_features))
                                      for t, raw in parts]).to(dtype)
 
@@ -206,7 +235,7 @@ class GGUFLinear(nn.Module):
         m = x2.shape[0]
         y = torch.empty(m, self.out_features, dtype=x2.dtype)
         f32 = int(x2.dtype == torch.float32)
-        _library().gguf_gemm(x2.data_ptr(), f32, m, self.in_features, ctypes.addressof(self.desc),
+        library(self.kernel).gguf_gemm(x2.data_ptr(), f32, m, self.in_features, ctypes.addressof(self.desc),
                              None if self.bias is None else self.bias.data_ptr(), self.out_features, y.data_ptr(),
                              f32, torch.get_num_threads())
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)

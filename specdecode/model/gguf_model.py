@@ -9,6 +9,7 @@ of the embeddings in memory; looked-up rows are read from the file's pages).
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -109,6 +110,17 @@ def read_tensor_infos(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
+def _release(done: list[TensorInfo]) -> None:
+    """Drop the file's pages of tensors already copied into the kernel's tiles from this process's resident
+    memory (they stay in the page cache): without it, loading holds the file twice at its peak."""
+    for t in done:
+        mm = getattr(t.file, "_mmap", None)  # np.memmap's mapping of the whole file, from offset 0
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = t.data_offset - t.data_offset % mmap.PAGESIZE
+        mm.madvise(mmap.MADV_DONTNEED, start, min(len(mm), t.data_offset + t.n_bytes) - start)
+
+
 def load_native(path: Path, dtype: torch.dtype) -> tuple[Transformer, ModelConfig]:
     """The model of a GGUF file with its quantized linears kept in their blocks (CPU)."""
     cfg = config_from_gguf_file(path)
@@ -168,9 +180,11 @@ def load_native(path: Path, dtype: torch.dtype) -> tuple[Transformer, ModelConfi
         mlp.down_proj = GGUFLinear([raw(p + "ffn_down.weight")], cfg.intermediate_size, dtype=dtype)
         layer.input_layernorm.weight = param(p + "attn_norm.weight")
         layer.post_attention_layernorm.weight = param(p + "ffn_norm.weight")
+        _release([t for name, t in tensors.items() if name.startswith(p)])
     body.norm.weight = param("output_norm.weight")
     out = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     model.lm_head = GGUFLinear([raw(out)], d, dtype=dtype)
+    _release([tensors[out]])
     if tensors[out].tensor_type in QUANTIZED:
         model.lm_head.source = (int(tensors[out].tensor_type), mapped(out))  # for `dense_output_rows`
     tensors.clear()  # the linears hold their own copies: the file's mapping goes
@@ -206,3 +220,28 @@ def weight_bytes(model: nn.Module) -> int:
     total = sum(m.weight_bytes for m in model.modules() if isinstance(m, GGUFLinear))
     total += sum(m.bias.numel() * 2 for m in model.modules() if isinstance(m, GGUFLinear) and m.bias is not None)
     return total + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def held_bytes(path: Path, dtype: torch.dtype) -> int:
+    """Bytes `load_native` will hold for the file's weights, from its header alone (milliseconds): the blocks of
+    the linears the kernel multiplies, dequantized `dtype` copies of the rest (norms, biases, other types), the
+    token embeddings' blocks (memory-mapped; resident as rows are read), once more for a tied output matrix."""
+    from specdecode.model.gguf_linear import KERNEL_TYPES, TILE, available
+
+    width = torch.finfo(dtype).bits // 8
+    kernel = available()
+    tensors = read_tensor_infos(path)
+    total = 0
+    for name, t in tensors.items():
+        numel = int(np.prod(t.shape))
+        if name == "token_embd.weight":
+            total += t.n_bytes if t.tensor_type in QUANTIZED else numel * width  # mapped rows, or nn.Embedding
+            if "output.weight" in tensors:
+                continue  # else it is the output matrix too, counted below
+        if name.endswith(".bias"):
+            total += numel * 2  # GGUFLinear keeps biases in bf16
+        elif kernel and t.tensor_type in KERNEL_TYPES and _rows(t) % TILE == 0:
+            total += t.n_bytes
+        else:
+            total += numel * width
+    return total

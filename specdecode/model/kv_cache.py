@@ -114,6 +114,18 @@ class KVCache:
         self.v[:, row, :, dst_start : dst_start + n] = self.v[:, row, :, src]
         self.pos[row, dst_start : dst_start + n] = self.pos[row, src]
 
+    def read_span(self, row: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row's K and V at slots [start, start + n): [L, kvh, n, hd] each (for the prefix cache)."""
+        return self.k[:, row, :, start : start + n].clone(), self.v[:, row, :, start : start + n].clone()
+
+    def write_span(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V [L, kvh, n, hd] at row's slots [start, start + n) (a prefix-cache hit); a prefix's
+        entries sit at their own positions."""
+        n = k.shape[2]
+        self.k[:, row, :, start : start + n] = k
+        self.v[:, row, :, start : start + n] = v
+        self.pos[row, start : start + n] = torch.arange(start, start + n, device=self.pos.device)
+
     def reset(self, row: int | None = None) -> None:
         if row is None:
             self.lengths = [0] * self.batch_size

@@ -59,7 +59,7 @@ def linear_entry(module: nn.Module) -> tuple[LinearEntry, int] | None:
         return None
     if isinstance(module, GGUFLinear):  # GGUF blocks: gguf_gemm adds the bias itself
         entry = LinearEntry(LIN_GEMM_FN, module.out_features, module.in_features, ctypes.addressof(module.desc),
-                            gguf_gemm_address(), None, _ptr(module.bias), 0.0)
+                            gguf_gemm_address(module.kernel), None, _ptr(module.bias), 0.0)
         return entry, rows
     if isinstance(module, BF16Linear) and module.amx:  # any row count
         entry = LinearEntry(LIN_GEMM_FN, module.out_features, module.in_features, _ptr(module.packed_amx),

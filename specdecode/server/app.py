@@ -44,6 +44,7 @@ from specdecode.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     SpeculativeUsage,
     Usage,
 )
@@ -355,7 +356,9 @@ class _Server:
     def usage(stream: RequestStream, final: Update) -> dict[str, Any]:
         spec = SpeculativeUsage.from_stats(final.stats)
         return Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=final.num_output,
-                     total_tokens=stream.prompt_tokens + final.num_output, speculative=spec).model_dump()
+                     total_tokens=stream.prompt_tokens + final.num_output,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=stream.seq.cached_tokens),
+                     speculative=spec).model_dump()
 
     async def collect(self, stream: RequestStream, request: Request) -> tuple[str, Update]:
         """Wait for the whole answer; abort if the client disconnects meanwhile."""

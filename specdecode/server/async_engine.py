@@ -97,6 +97,9 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.idle_poll_s = idle_poll_s
+        pool = engine.prefix_cache
+        self._pool_seen = (pool.queried_tokens, pool.hit_tokens) if pool is not None else (0, 0)
+        """The prefix cache's counters already exported (the pool may predate this server)."""
         self._cmds: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
@@ -257,6 +260,7 @@ class AsyncEngine:
         # Whatever state the failed step left behind, start clean: no row or queue entry survives.
         try:
             self.engine.running.clear()
+            self.engine.prefilling = None
             self.engine.waiting.clear()
             self.engine.cache.reset()
         except Exception:  # pragma: no cover
@@ -264,8 +268,15 @@ class AsyncEngine:
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        m.requests_running.set(len(self.engine.running))
+        m.requests_running.set(len(self.engine.running) + (self.engine.prefilling is not None))
         m.requests_waiting.set(len(self.engine.waiting))
+        pool = self.engine.prefix_cache
+        if pool is not None:
+            ServerMetrics._inc(m.prefix_cache_queries, pool.queried_tokens - self._pool_seen[0])
+            ServerMetrics._inc(m.prefix_cache_hits, pool.hit_tokens - self._pool_seen[1])
+            self._pool_seen = (pool.queried_tokens, pool.hit_tokens)
+            m.prefix_cache_hit_rate.set(pool.hit_rate)
+            m.prefix_cache_usage.set(pool.bytes_used / pool.max_bytes if pool.max_bytes else 0.0)
         m.kv_cache_usage.set(self.engine.kv_usage)
 
     @staticmethod

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from specdecode.cli import _add_model_args, speculative_config_from_args
+from specdecode.cli import _add_model_args, add_cache_args, cache_kwargs, speculative_config_from_args
 from specdecode.extras import missing_extra
 
 
@@ -28,6 +28,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--max-num-seqs", type=int, default=8, help="running batch size (default: %(default)s)")
+    add_cache_args(s)
     s.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may wait for a free row; beyond it, 429 (default: %(default)s)")
     s.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
@@ -81,7 +82,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               speculative_config=speculative_config_from_args(args), seed=args.seed, quantization=args.quantization,
-              max_num_seqs=args.max_num_seqs)  # the start-up measurement covers the server's batch
+              max_num_seqs=args.max_num_seqs, **cache_kwargs(args))  # the measurement covers the server's batch
     app = build_app(llm, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                     served_model_name=args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)

@@ -52,6 +52,15 @@ class ServerMetrics:
             "specdecode_spec_decode_num_draft_tokens_per_pos",
             "Drafts that proposed a token at this 0-based position (denominator of the per-position rate).",
             ["position"], registry=r)
+        self.prefix_cache_queries = Counter(
+            "specdecode_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_cache_hits = Counter(
+            "specdecode_prefix_cache_hits", "Prompt tokens served from the prefix cache (not prefilled).", registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            "specdecode_prefix_cache_hit_rate", "Prefix-cache hits / queries in prompt tokens, since start-up.",
+            registry=r)
+        self.prefix_cache_usage = Gauge(
+            "specdecode_prefix_cache_usage", "Fraction of the prefix-cache pool's bytes in use.", registry=r)
         self.requests_finished = Counter(
             "specdecode_requests_finished", "Requests finished, by reason (stop, length, abort, error).",
             ["finish_reason"], registry=r)

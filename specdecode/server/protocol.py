@@ -137,10 +137,16 @@ class SpeculativeUsage(_Model):
         return cls(**{k: stats[k] for k in cls.model_fields if k in stats})
 
 
+class PromptTokensDetails(_Model):
+    cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache instead of prefilled (OpenAI's field)."""
+
+
 class Usage(_Model):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     speculative: SpeculativeUsage | None = None
 
 

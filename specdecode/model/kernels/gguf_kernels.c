@@ -1,29 +1,13 @@
-// GEMMs on GGUF's quantized blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), AVX512-VNNI.
-//
-// y[m, n] = sum_k x[m, k] * w[n, k] + bias[n], with w in its GGUF blocks, re-laid out once by
-// `gguf_linear.repack` into tiles of 16 output channels (same bytes as the file's blocks):
-//   tile t, block b (32 weights per channel, 256 for the K-quants): a header (fp16 scales of the 16 channels,
-//   K-quant scale bytes), then for each 32-weight sub-block the 16 channels' integer codes:
-//   - 8-bit codes (Q8_0, stored + 128): 8 vectors of [16 channels][4 consecutive k];
-//   - 4..6-bit codes: 4 vectors of nibbles, byte j of channel c in vector g holding k = 8g + j (low) and
-//     8g + 4 + j (high), then one 64-bit mask per 4 k for bit 4 (Q5_0, Q5_K, Q6_K) and for bit 5 (Q6_K),
-//     bit 4c + j of mask p being code bit of channel c at k = 4p + j.
-// Activations are quantized per row and block of 32 to int8 (one fp32 scale each, as llama.cpp's q8_0), so
-// every block product is an exact integer dot product (`vpdpbusd`, unsigned codes x signed activations);
-// code offsets (Q4_0's 8, Q5_0's 16, Q6_K's 32, Q8_0's 128) are taken off with the activation block sums,
-// minima (Q4_1, Q4_K, Q5_K) with the scaled sums. A tile's block is decoded once per 8 rows and serves them
-// all. Each row's quantization and accumulation order are the same whatever the number of rows, so a
-// verification row equals the single-token row bit for bit.
+// The AVX512-VNNI kernel of gguf_common.c's GEMM: a tile's 16 channels in one 512-bit register, every
+// block product with `vpdpbusd` (unsigned codes x signed activations), each decoded tile-block serving up to
+// 16 rows (a 16-row verification decodes and reads each weight block once: 10-20% less time than two passes
+// of 8 rows, `benchmarks/gguf_rows.py --rows-max 8,16`).
 
 #include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+#define ISA_FN TARGET
 #define INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
-
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 int gguf_supported(void) {
     __builtin_cpu_init();
@@ -32,51 +16,7 @@ int gguf_supported(void) {
            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
 }
 
-// Bytes of one tile-block (16 channels) and weights per block, by type; 0: not supported.
-int64_t gguf_tile_block_bytes(int64_t type) {
-    switch (type) {
-        case Q4_0: return 16 * 18;
-        case Q4_1: return 16 * 20;
-        case Q5_0: return 16 * 22;
-        case Q8_0: return 16 * 34;
-        case Q4_K: return 16 * 144;
-        case Q5_K: return 16 * 176;
-        case Q6_K: return 16 * 210;
-        default: return 0;
-    }
-}
-
-static int64_t block_k(int64_t type) { return type >= Q4_K ? 256 : 32; }
-
-typedef struct {  // one output slice of a linear (q, k, v of a fused projection...): all fields 8 bytes
-    int64_t type, n;
-    const uint8_t* data;  // [n / 16 tiles][K / block_k blocks][tile-block bytes]
-} gguf_part_t;
-
-typedef struct {
-    int64_t n_parts;
-    gguf_part_t parts[4];
-} gguf_linear_t;
-
-typedef struct {  // one row's quantized activations
-    const int8_t* q;      // [K]
-    const float* d;       // [K / 32] scales
-    const float* fs;      // [K / 32] d * (sum of the block's integers)
-    const int32_t* bs16;  // [K / 16] sums of 16 integers
-} act_t;
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  // round to nearest even (no NaN inputs here)
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+const char* gguf_isa(void) { return "avx512"; }
 
 // Row x (K values) -> int8 per block of 32: d = max|x| / 127, q = round-to-even(x / d).
 TARGET static void quantize_row(const void* x, int x_is_f32, int64_t K, int8_t* q, float* d, float* fs,
@@ -245,13 +185,15 @@ INLINE void tile_rows(int64_t type, const uint8_t* p, int64_t K, const act_t* a,
         tile_simple(type, p, nb, a, R, acc);
 }
 
-#define ROWS_MAX 8
+#define ROWS_MAX 16  // 16 accumulators + 8 code vectors + temporaries in 32 zmm registers
 
-// One tile (16 channels) for up to ROWS_MAX rows; the row count is a constant in each specialization, so
-// the accumulators stay in registers.
-#define SPECIALIZE(RR)                                                                                     \
-    TARGET static void tile_##RR(int64_t type, const uint8_t* p, int64_t K, const act_t* a, __m512* acc) { \
-        tile_rows(type, p, K, a, RR, acc);                                                                 \
+// One tile (16 channels) for up to ROWS_MAX rows into out[r][16]; the row count is a constant in each
+// specialization, so the accumulators stay in registers.
+#define SPECIALIZE(RR)                                                                                   \
+    TARGET static void tile_##RR(int64_t type, const uint8_t* p, int64_t K, const act_t* a, float (*out)[16]) { \
+        __m512 acc[RR];                                                                                  \
+        tile_rows(type, p, K, a, RR, acc);                                                               \
+        for (int r = 0; r < RR; r++) _mm512_storeu_ps(out[r], acc[r]);                                   \
     }
 SPECIALIZE(1)
 SPECIALIZE(2)
@@ -261,149 +203,19 @@ SPECIALIZE(5)
 SPECIALIZE(6)
 SPECIALIZE(7)
 SPECIALIZE(8)
+SPECIALIZE(9)
+SPECIALIZE(10)
+SPECIALIZE(11)
+SPECIALIZE(12)
+SPECIALIZE(13)
+SPECIALIZE(14)
+SPECIALIZE(15)
+SPECIALIZE(16)
 
-typedef void (*tile_fn)(int64_t, const uint8_t*, int64_t, const act_t*, __m512*);
-static const tile_fn TILE_FNS[ROWS_MAX + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
+typedef void (*tile_fn)(int64_t, const uint8_t*, int64_t, const act_t*, float (*)[16]);
+static const tile_fn TILE_FNS[17] = {NULL,    tile_1,  tile_2,  tile_3,  tile_4,  tile_5,  tile_6,  tile_7, tile_8,
+                                     tile_9, tile_10, tile_11, tile_12, tile_13, tile_14, tile_15, tile_16};
 
-// x: [M, K] bf16 (or fp32); lin: a gguf_linear_t; bias: bf16 [N] or NULL; y: [M, N] bf16 (or fp32).
-// The signature of the native stack's GEMM_FN entries (cpu_kernels.c's gemm_fn).
-TARGET void gguf_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const void* lin_, const uint16_t* bias,
-                      int64_t N, void* y, int y_is_f32, int threads) {
-    const gguf_linear_t* lin = (const gguf_linear_t*)lin_;
-    const int64_t nb32 = K / 32;
-    int8_t* q = (int8_t*)malloc((size_t)(M * K));
-    float* d = (float*)malloc((size_t)(M * nb32 * 2) * sizeof(float));
-    int32_t* bs16 = (int32_t*)malloc((size_t)(M * nb32 * 2) * sizeof(int32_t));
-    const size_t xsz = x_is_f32 ? 4 : 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (M >= 8)
-    for (int64_t m = 0; m < M; m++)
-        quantize_row((const char*)x + (size_t)(m * K) * xsz, x_is_f32, K, q + m * K, d + m * 2 * nb32,
-                     d + m * 2 * nb32 + nb32, bs16 + m * 2 * nb32);
-    int64_t tiles = 0;
-    for (int64_t i = 0; i < lin->n_parts; i++) tiles += lin->parts[i].n / 16;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t part = 0, tt = t, col = 0;
-        while (tt >= lin->parts[part].n / 16) {
-            tt -= lin->parts[part].n / 16;
-            col += lin->parts[part].n;
-            part++;
-        }
-        const gguf_part_t* pt = lin->parts + part;
-        const int64_t tile_bytes = (K / block_k(pt->type)) * gguf_tile_block_bytes(pt->type);
-        const uint8_t* p = pt->data + tt * tile_bytes;
-        col += 16 * tt;
-        float bv[16];
-        for (int c = 0; c < 16; c++) bv[c] = bias ? bf16_to_f32(bias[col + c]) : 0.0f;
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS_MAX) {
-            const int R = (int)(M - r0 < ROWS_MAX ? M - r0 : ROWS_MAX);
-            act_t a[ROWS_MAX];
-            for (int r = 0; r < R; r++) {
-                const int64_t m = r0 + r;
-                a[r] = (act_t){q + m * K, d + m * 2 * nb32, d + m * 2 * nb32 + nb32, bs16 + m * 2 * nb32};
-            }
-            __m512 acc[ROWS_MAX];
-            TILE_FNS[R](pt->type, p, K, a, acc);
-            for (int r = 0; r < R; r++) {
-                float out[16];
-                _mm512_storeu_ps(out, _mm512_add_ps(acc[r], _mm512_loadu_ps(bv)));
-                const int64_t base = (r0 + r) * N + col;
-                if (y_is_f32)
-                    memcpy((float*)y + base, out, sizeof(out));
-                else
-                    for (int c = 0; c < 16; c++) ((uint16_t*)y)[base + c] = f32_to_bf16(out[c]);
-            }
-        }
-    }
-    free(bs16);
-    free(d);
-    free(q);
-}
-
-// ---- the file's blocks -> the tiles above (`gguf_linear.repack` is the same in numpy) ----------------------
-
-// Integer codes (unsigned, as the kernel multiplies them) of one block.
-static void block_codes(int64_t type, const uint8_t* s, uint8_t* codes) {
-    switch (type) {
-        case Q8_0:
-            for (int i = 0; i < 32; i++) codes[i] = s[2 + i] ^ 0x80;
-            return;
-        case Q4_0:
-        case Q4_1: {
-            const uint8_t* qs = s + (type == Q4_0 ? 2 : 4);
-            for (int i = 0; i < 16; i++) codes[i] = qs[i] & 15, codes[16 + i] = qs[i] >> 4;
-            return;
-        }
-        case Q5_0: {
-            const uint32_t qh = (uint32_t)s[2] | (uint32_t)s[3] << 8 | (uint32_t)s[4] << 16 | (uint32_t)s[5] << 24;
-            for (int i = 0; i < 32; i++) codes[i] = (uint8_t)(((s[6 + i % 16] >> (4 * (i / 16))) & 15) | ((qh >> i) & 1) << 4);
-            return;
-        }
-        case Q4_K:
-        case Q5_K: {
-            const uint8_t* qs = s + (type == Q4_K ? 16 : 48);
-            for (int c = 0; c < 4; c++)
-                for (int l = 0; l < 32; l++) codes[64 * c + l] = qs[32 * c + l] & 15, codes[64 * c + 32 + l] = qs[32 * c + l] >> 4;
-            if (type == Q5_K)
-                for (int sb = 0; sb < 8; sb++)
-                    for (int l = 0; l < 32; l++) codes[32 * sb + l] |= (uint8_t)(((s[16 + l] >> sb) & 1) << 4);
-            return;
-        }
-        default: {  // Q6_K
-            for (int h = 0; h < 2; h++)
-                for (int sh = 0; sh < 2; sh++)
-                    for (int l = 0; l < 64; l++) codes[128 * h + 64 * sh + l] = (s[64 * h + l] >> (4 * sh)) & 15;
-            for (int h = 0; h < 2; h++)
-                for (int sh = 0; sh < 4; sh++)
-                    for (int l = 0; l < 32; l++)
-                        codes[128 * h + 32 * sh + l] |= (uint8_t)(((s[128 + 32 * h + l] >> (2 * sh)) & 3) << 4);
-        }
-    }
-}
-
-// src: [N, K / block_k blocks of the type's bytes] (the file's rows); dst: [N / 16][K / block_k][tile-block].
-void gguf_repack(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int threads) {
-    static const int F_OFF[][17] = {[Q4_0] = {0}, [Q4_1] = {0, 2}, [Q5_0] = {0}, [Q8_0] = {0},
-                                    [Q4_K] = {0, 2, 4, 8, 12}, [Q5_K] = {0, 2, 4, 8, 12},
-                                    [Q6_K] = {208, 192, 193, 194, 195, 196, 197, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207}};
-    static const int F_LEN[][17] = {[Q4_0] = {2}, [Q4_1] = {2, 2}, [Q5_0] = {2}, [Q8_0] = {2},
-                                    [Q4_K] = {2, 2, 4, 4, 4}, [Q5_K] = {2, 2, 4, 4, 4},
-                                    [Q6_K] = {2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}};
-    const int64_t bk = block_k(type), ts = gguf_tile_block_bytes(type) / 16, nb = K / bk, row = nb * ts;
-    const int hi = type == Q5_0 || type == Q5_K ? 1 : type == Q6_K ? 2 : 0;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < N / 16; t++) {
-        uint8_t codes[16][256];
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t* o = dst + (t * nb + b) * 16 * ts;
-            for (int f = 0; f < 17 && F_LEN[type][f]; f++)
-                for (int c = 0; c < 16; c++) {
-                    memcpy(o, src + (16 * t + c) * row + b * ts + F_OFF[type][f], (size_t)F_LEN[type][f]);
-                    o += F_LEN[type][f];
-                }
-            for (int c = 0; c < 16; c++) block_codes(type, src + (16 * t + c) * row + b * ts, codes[c]);
-            for (int64_t sb = 0; sb < bk / 32; sb++) {
-                const int k0 = (int)(32 * sb);
-                if (type == Q8_0) {
-                    for (int p = 0; p < 8; p++)
-                        for (int c = 0; c < 16; c++)
-                            for (int j = 0; j < 4; j++) *o++ = codes[c][k0 + 4 * p + j];
-                    continue;
-                }
-                for (int g = 0; g < 4; g++)
-                    for (int c = 0; c < 16; c++)
-                        for (int j = 0; j < 4; j++)
-                            *o++ = (uint8_t)((codes[c][k0 + 8 * g + j] & 15) | (codes[c][k0 + 8 * g + 4 + j] & 15) << 4);
-                for (int h = 0; h < hi; h++)
-                    for (int p = 0; p < 8; p++) {
-                        uint64_t m = 0;
-                        for (int c = 0; c < 16; c++)
-                            for (int j = 0; j < 4; j++)
-                                m |= (uint64_t)((codes[c][k0 + 4 * p + j] >> (4 + h)) & 1) << (4 * c + j);
-                        memcpy(o, &m, 8);
-                        o += 8;
-                    }
-            }
-        }
-    }
+static void tile_rows_out(int R, int64_t type, const uint8_t* p, int64_t K, const act_t* a, float (*out)[16]) {
+    TILE_FNS[R](type, p, K, a, out);
 }

@@ -1,0 +1,50 @@
+"""The server's prefix cache: a second chat over the same system prompt reports cached prompt tokens in
+`usage.prompt_tokens_details` and in /metrics, and answers as an LLM without the cache does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
+
+from server_helpers import API_KEY, LiveServer  # noqa: E402
+
+from specdecode import LLM, SamplingParams  # noqa: E402
+from specdecode.server.app import build_app  # noqa: E402
+
+NAME = "tiny-llama"
+SYSTEM = "You write code. " * 12
+
+
+def test_second_request_reads_the_shared_prompt_from_the_cache(tiny_llama_dir: Path) -> None:
+    torch.set_num_threads(1)
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config={"method": "ngram"},
+              max_model_len=512)
+    plain = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", max_model_len=512, enable_prefix_caching=False)
+    server = LiveServer(build_app(llm, max_num_seqs=2, max_waiting=8, served_model_name=NAME,
+                                  api_key=API_KEY)).start()
+    try:
+        client = server.openai()
+        usages, texts = [], []
+        for question in ("def add", "print hello"):
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
+            usages.append(out.usage)
+            texts.append(out.choices[0].message.content)
+            want = plain.generate(plain.chat_prompt_ids(messages), SamplingParams(max_tokens=8, temperature=0))
+            assert texts[-1] == want[0].text
+        assert usages[0].prompt_tokens_details.cached_tokens == 0
+        cached = usages[1].prompt_tokens_details.cached_tokens
+        assert cached >= 32 and cached % 16 == 0 and cached < usages[1].prompt_tokens
+        metrics = server.metrics()
+        assert metrics["specdecode_prefix_cache_hits_total"] == cached
+        assert metrics["specdecode_prefix_cache_queries_total"] == usages[0].prompt_tokens + usages[1].prompt_tokens
+        assert 0 < metrics["specdecode_prefix_cache_hit_rate"] < 1
+        assert 0 < metrics["specdecode_prefix_cache_usage"] < 1
+    finally:
+        server.stop()
