@@ -39,6 +39,13 @@ class SamplingParams:
     """Extra token ids that end generation (in addition to EOS)."""
     ignore_eos: bool = False
     """Keep generating after EOS (benchmarks)."""
+    logprobs: int | None = None
+    """Report each output token's log-probability and the `logprobs` most likely alternatives (0: the chosen
+    token only); None reports none. From the distribution plain decoding samples from (see processed_logprobs)."""
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    """(token id, bias in [-100, 100]) pairs added to the raw logits before every other processor (a dict works)."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids are masked until this many tokens are generated."""
 
     def __post_init__(self) -> None:
         # Normalise list inputs so the dataclass stays hashable and frozen.
@@ -47,6 +54,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         self.validate()
 
     @property
@@ -58,6 +67,11 @@ class SamplingParams:
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         )
+
+    @property
+    def raw_argmax(self) -> bool:
+        """Greedy with nothing that changes the raw logits: the argmax of the raw logits is the answer."""
+        return self.greedy and not self.has_penalties and not self.logit_bias and self.min_tokens == 0
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field; called on construction."""
@@ -77,6 +91,13 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (-100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 
 
 # Boundary slack for top-p: a prefix whose mass is within float noise of top_p counts as reaching it,
@@ -115,6 +136,27 @@ def apply_penalties(
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Add the request's logit_bias to raw logits [N, V] (out of place); nothing to add returns the input."""
+    if not params.logit_bias:
+        return logits
+    ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)
+    bias = torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(-1, ids, bias.expand(*logits.shape[:-1], -1))
+
+
+def suppress_tokens(logits: torch.Tensor, token_ids: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """-inf at `token_ids` in the rows where `rows` [N] is True (min_tokens: no stop before the minimum).
+    logits [N, V] -> [N, V], out of place; a row with nothing to mask is unchanged."""
+    vocab = logits.shape[-1]
+    token_ids = [t for t in token_ids if 0 <= t < vocab]  # a stop id outside the vocabulary is never generated
+    if not token_ids or not bool(rows.any()):
+        return logits
+    ban = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+    ban[torch.tensor(token_ids, device=logits.device)] = True
+    return logits.masked_fill(rows.to(logits.device)[:, None] & ban, float("-inf"))
+
+
 def _top_p_keep_sorted(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Mask of the smallest prefix of descending probs whose mass reaches top_p. [N, V'] -> bool [N, V']."""
     # A token is kept iff the mass strictly before it has not yet reached top_p.
@@ -149,6 +191,7 @@ def logits_to_probs(
     x = logits.to(torch.float32)  # [N, V]; may alias the input, so only out-of-place ops below
     if squeeze:
         x = x.unsqueeze(0)
+    x = apply_logit_bias(x, params)  # before penalties, as vLLM
     if params.has_penalties:
         x = apply_penalties(x, params, output_counts, prompt_mask)
 
@@ -185,6 +228,31 @@ def logits_to_probs(
         if params.top_p < 1.0 or params.min_p > 0.0:
             probs = probs / probs.sum(-1, keepdim=True)
     return probs.squeeze(0) if squeeze else probs
+
+
+LOGPROB_FLOOR = -9999.0
+"""Reported in place of -inf (a token the processors exclude): JSON has no infinities."""
+
+
+def processed_logprobs(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    output_counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-probabilities of the distribution plain decoding samples from, for reporting. [N, V] -> [N, V] fp32.
+
+    Sampling: log of `logits_to_probs` (temperature, top-k, top-p, min-p; excluded tokens -inf), computed as a
+    log-softmax for precision. Greedy: its one-hot carries no information, so the log-softmax of the logits
+    after logit_bias and penalties (temperature 1), whose top-1 is the chosen token.
+    """
+    x = apply_logit_bias(logits.to(torch.float32), params)  # [N, V]
+    if params.has_penalties:
+        x = apply_penalties(x, params, output_counts, prompt_mask)
+    if params.greedy:
+        return torch.log_softmax(x, dim=-1)
+    kept = logits_to_probs(logits, params, output_counts, prompt_mask) > 0  # [N, V]
+    return torch.log_softmax((x / params.temperature).masked_fill(~kept, float("-inf")), dim=-1)
 
 
 def block_output_counts(base_counts: torch.Tensor, block_tokens: torch.Tensor) -> torch.Tensor:

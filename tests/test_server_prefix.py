@@ -1,5 +1,6 @@
 """The server's prefix cache: a second chat over the same system prompt reports cached prompt tokens in
-`usage.prompt_tokens_details` and in /metrics, and answers as an LLM without the cache does."""
+`usage.prompt_tokens_details` and in /metrics (n choices: the shared prefill's), and answers as an LLM without the
+cache does."""
 
 from __future__ import annotations
 
@@ -46,5 +47,14 @@ def test_second_request_reads_the_shared_prompt_from_the_cache(tiny_llama_dir: P
         assert metrics["specdecode_prefix_cache_queries_total"] == usages[0].prompt_tokens + usages[1].prompt_tokens
         assert 0 < metrics["specdecode_prefix_cache_hit_rate"] < 1
         assert 0 < metrics["specdecode_prefix_cache_usage"] < 1
+        # n choices (one per row): one prefill reads the pool, the sibling copies it; usage reports the shared
+        # prefill's cached tokens.
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "sum a list"}]
+        out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, n=2)
+        want = plain.generate(plain.chat_prompt_ids(messages), SamplingParams(max_tokens=8, temperature=0))
+        assert [c.message.content for c in out.choices] == [want[0].text] * 2
+        assert out.usage.prompt_tokens_details.cached_tokens == cached
+        queried = server.metrics()["specdecode_prefix_cache_queries_total"]
+        assert queried == usages[0].prompt_tokens + usages[1].prompt_tokens + out.usage.prompt_tokens
     finally:
         server.stop()

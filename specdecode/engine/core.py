@@ -59,8 +59,17 @@ class Running:
     started: float = 0.0
     """perf_counter when its first prefill forward began (0: not yet)."""
     features: torch.Tensor | None = None
-    """[max_len, F] the target's features of the row's kept positions, pooled with its K/V blocks (only for
-    proposers that read them, with the prefix cache on)."""
+    """[max_len, F] the target's features of the row's kept positions, pooled with its K/V blocks or copied by
+    its sibling choices (only for proposers that read them, with the prefix cache on or a prefill group)."""
+
+
+@dataclass
+class _Prefilled:
+    """A prompt's finished prefill, reusable by the other choices of the same request (queued right behind it):
+    the K/V and kept features are read from the source's row while it runs."""
+
+    source: Running
+    logits: torch.Tensor  # [1, V] at the prompt's last position
 
 
 class Engine:
@@ -100,6 +109,8 @@ class Engine:
         self.running: list[Running] = []
         self.prefilling: Running | None = None
         """The request whose prompt is being prefilled in chunks, in the row after the running ones."""
+        self._shared: dict[object, _Prefilled] = {}
+        """Finished prefills by prefill group, while their source runs and a sibling choice may still follow."""
         self.waiting: deque[tuple[Sequence, int | None]] = deque()
         self.last_step_seconds = 0.0
         self._keys = itertools.count()
@@ -208,7 +219,8 @@ class Engine:
             left = r.seq.prompt_len - r.prefilled
             chunk = left if budget is None else min(left, budget)
             t0 = time.perf_counter()
-            self._prefill(r, len(self.running), chunk)
+            if chunk:  # none left: a sibling choice copied the whole prompt
+                self._prefill(r, len(self.running), chunk)
             if budget is not None:
                 budget -= chunk
                 if chunk >= MIN_CHUNK_TOKENS:  # a few tokens cost mostly the forward's fixed part: no measure
@@ -232,7 +244,8 @@ class Engine:
         return AdaptiveK(self.row_cost)
 
     def _start_prefill(self) -> Running:
-        """Take the next waiting request into the free row; copy in its longest pooled prefix."""
+        """Take the next waiting request into the free row; copy in its sibling's whole prompt, or else its
+        longest pooled prefix."""
         seq, k_override = self.waiting.popleft()
         self.reserve(len(self.running) + 1)
         assert self.cache is not None
@@ -241,6 +254,8 @@ class Engine:
         r = Running(seq, next(self._keys), policy, k_override)
         row = len(self.running)
         hidden = policy is not None and self.proposer is not None and self.proposer.capabilities.target_hidden
+        if self._copy_sibling(r, row, hidden):
+            return r
         blocks: list[Block] = []
         if self.prefix_cache is not None:
             # The prompt's last token is always computed: its logits give the first output token.
@@ -260,6 +275,38 @@ class Engine:
                 self.proposer.observe_hidden(r.key, cached)
         return r
 
+    def _copy_sibling(self, r: Running, row: int, hidden: bool) -> bool:
+        """A choice whose sibling (same prefill group and prompt) finished its prefill and still runs: copy that
+        row's prompt K/V, the partial last block included, and its features, and draw the first token from its
+        logits. False: nothing to copy from."""
+        seq, group = r.seq, r.seq.prefill_group
+        done = self._shared.get(group) if group is not None else None
+        if done is None:
+            return False
+        if not self.waiting or self.waiting[0][0].prefill_group is not group:
+            del self._shared[group]  # the last sibling: nothing queued behind it reads this prefill
+        source = done.source
+        src = next((i for i, x in enumerate(self.running) if x is source), -1)
+        if (src < 0 or source.seq.token_ids[: seq.prompt_len] != seq.token_ids
+                or (hidden and (source.features is None or source.policy is None))):
+            return False
+        assert self.cache is not None
+        started = time.perf_counter()
+        self.cache.copy_prefix(src, row, seq.prompt_len)
+        self.cache.set_length(row, seq.prompt_len)
+        r.prefilled, r.started = seq.prompt_len, started
+        seq.cached_tokens = source.seq.cached_tokens  # the one prompt prefill the choices share
+        if r.policy is not None:
+            assert self.proposer is not None
+            self.proposer.begin(r.key, seq.view())
+            if hidden:
+                assert source.features is not None
+                features = source.features[: seq.prompt_len]  # [P, F]
+                self._keep_features(r, features, 0)
+                self.proposer.observe_hidden(r.key, features)
+        start_sequence(seq, done.logits, started)
+        return True
+
     def _prefill(self, r: Running, row: int, n: int) -> None:
         """Prefill the next n prompt tokens of r in `row`; the last chunk emits the first output token."""
         seq = r.seq
@@ -276,11 +323,16 @@ class Engine:
         self._share_hidden(r, hidden, 0, slice(None), start)
         if r.prefilled == seq.prompt_len:
             logits = self.target.compute_logits(hidden[0, -1:])  # the output matrix is the largest: last row only
+            if seq.prefill_group is not None:  # its sibling choices behind it copy this prefill
+                self._shared[seq.prefill_group] = _Prefilled(r, logits)
             start_sequence(seq, logits, r.started)
 
     def _release(self, row: int) -> None:
         assert self.cache is not None
         self._remember(row)
+        group = self.running[row].seq.prefill_group
+        if group is not None and group in self._shared and self._shared[group].source is self.running[row]:
+            del self._shared[group]  # its row is gone: siblings still waiting prefill on their own
         if self.running[row].policy is not None and self.proposer is not None:
             self.proposer.release(self.running[row].key)
         last = len(self.running) - 1
@@ -313,8 +365,9 @@ class Engine:
         pool.insert(r.seq.token_ids[:n], read)
 
     def _keep_features(self, r: Running, features: torch.Tensor, at: int) -> None:
-        """Record features [m, F] of positions at.. for pooling (prefix cache on, a feature-reading proposer)."""
-        if self.prefix_cache is None:
+        """Record features [m, F] of positions at.. for pooling (prefix cache on, a feature-reading proposer) and
+        for the sibling choices that copy the row's prompt."""
+        if self.prefix_cache is None and r.seq.prefill_group is None:
             return
         if r.features is None:
             r.features = torch.empty(self.max_len + MAX_TREE_NODES, features.shape[-1], dtype=features.dtype,
@@ -422,8 +475,8 @@ class Engine:
             self.cache.set_length(i, start + 1 + len(v.nodes))  # the pending token and the accepted drafts
             self._share_hidden(r, hidden, i, [0, *v.nodes], start)
             emitted = 0
-            for tok in v.tokens:
-                seq.append(tok)
+            for j, tok in enumerate(v.tokens):
+                seq.append(tok, None if v.logprobs is None else v.logprobs[j])
                 emitted += 1
                 if seq.finished:
                     break

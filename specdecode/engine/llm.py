@@ -278,6 +278,9 @@ class LLM:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
                 f"{self.max_model_len}"
             )
+        vocab = self.target.config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be < the vocabulary size {vocab}")
         return Sequence(
             str(next(self._ids)), ids, params, self.tokenizer, self.target.config.vocab_size, self.device,
             self.seed, prompt=prompt if isinstance(prompt, str) else None,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from specdecode.engine.logprobs import TokenLogprob
 from specdecode.metrics import SpecStats
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.proposers.base import SequenceView
@@ -22,6 +23,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of token_ids when `SamplingParams.logprobs` is set."""
 
 
 @dataclass
@@ -36,10 +39,12 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     """prompt_tokens, output_tokens, seconds, tokens_per_second, prefill_seconds, cached_tokens (prompt tokens
     read from the prefix cache) + speculative stats."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per output token when `SamplingParams.logprobs` is set."""
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
 
 class Sequence:
@@ -79,6 +84,9 @@ class Sequence:
         self.cached_tokens = 0
         """Prompt tokens whose K/V came from the prefix cache (not prefilled)."""
         self.end_time: float | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prefill_group: object | None = None
+        """Requests with the same group and prompt (the choices of one `n` > 1 request) share one prefill."""
 
     @property
     def output_ids(self) -> list[int]:
@@ -97,11 +105,14 @@ class Sequence:
             self.token_ids, self.prompt_len, self.params, self.generator, self.output_counts, self.prompt_mask
         )
 
-    def append(self, token: int) -> None:
-        """Add one generated token and apply the stop rules; nothing is added after a stop."""
+    def append(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Add one generated token (and its logprob, when the request asks for them) and apply the stop rules;
+        nothing is added after a stop."""
         if self.finished:
             raise RuntimeError("sequence already finished")
         self.token_ids.append(token)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
         if self.output_counts is not None:
             self.output_counts[token] += 1
         params = self.params
@@ -149,5 +160,5 @@ class Sequence:
         }
         return RequestOutput(
             self.request_id, self.prompt, self.token_ids[: self.prompt_len], self.text, self.output_ids,
-            self.finish_reason, metrics,
+            self.finish_reason, metrics, None if self.logprobs is None else list(self.logprobs),
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.engine.logprobs import TokenLogprob, mask_early_stops, token_logprobs
 from specdecode.engine.plan import RowTree, StepPlan
 from specdecode.engine.sequence import Sequence
 from specdecode.sampling import draw_uniforms, logits_to_probs, sample_from_probs
@@ -28,6 +29,8 @@ class Verified:
     """Accepted node indices in path order (root excluded)."""
     depth: int
     """Positions the row offered: its tree's longest path."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token when the request asks for logprobs."""
 
 
 def tree_output_counts(base_counts: torch.Tensor, attn_mask: torch.Tensor, node_tokens: torch.Tensor) -> torch.Tensor:
@@ -43,7 +46,7 @@ def tree_output_counts(base_counts: torch.Tensor, attn_mask: torch.Tensor, node_
 def sample_first(seq: Sequence, last_logits: torch.Tensor) -> int:
     """The first output token from the logits [1, V] at the prompt's last position, as plain decoding."""
     params = seq.params
-    if params.greedy and not params.has_penalties:
+    if params.raw_argmax:
         return int(last_logits[0].argmax())
     probs = logits_to_probs(last_logits, params, seq.output_counts, seq.prompt_mask)
     if params.greedy:
@@ -54,11 +57,25 @@ def sample_first(seq: Sequence, last_logits: torch.Tensor) -> int:
 def start_sequence(seq: Sequence, last_logits: torch.Tensor, started: float) -> None:
     """After the prompt's forward: emit the first token and record the prefill (`started`: perf_counter
     when it began, which is also when the request's own timing starts)."""
+    last_logits = mask_early_stops(last_logits, seq.params, seq.eos_token_id, 0, torch.zeros(1, dtype=torch.long))
     first = sample_first(seq, last_logits)
     seq.start_time = started
     seq.prefill_seconds = time.perf_counter() - started
     seq.stats.observe(0, 0, 1, 0.0, seq.prefill_seconds)
-    seq.append(first)
+    logprob = None
+    if seq.params.logprobs is not None:
+        logprob = token_logprobs(last_logits, seq.params, [first], seq.output_counts, seq.prompt_mask)[0]
+    seq.append(first, logprob)
+
+
+def _path_logprobs(seq: Sequence, logits: torch.Tensor, counts: torch.Tensor | None, nodes: list[int],
+                   out: list[int]) -> list[TokenLogprob] | None:
+    """Logprobs of the row's output tokens: token j from the node path[j] (the root, then the accepted nodes)."""
+    if seq.params.logprobs is None:
+        return None
+    path = [0, *nodes]
+    rows = None if counts is None else counts[path]
+    return token_logprobs(logits[path], seq.params, out, rows, seq.prompt_mask)
 
 
 def verify_row(seq: Sequence, row: RowTree, plan: StepPlan, i: int, logits: torch.Tensor,
@@ -69,7 +86,9 @@ def verify_row(seq: Sequence, row: RowTree, plan: StepPlan, i: int, logits: torc
     params = seq.params
     if argmax is not None:
         nodes, out = verify_tree_greedy(tokens, tree, argmax)
-        return Verified(out.tolist(), list(nodes), tree.max_depth)
+        return Verified(out.tolist(), list(nodes), tree.max_depth,
+                        _path_logprobs(seq, logits, None, list(nodes), out.tolist()))
+    logits = mask_early_stops(logits, params, seq.eos_token_id, seq.num_output, tree.depth)
     counts = None if seq.output_counts is None else tree_output_counts(seq.output_counts, tree.attn_mask, tokens)
     target_probs = logits_to_probs(logits, params, counts, seq.prompt_mask).cpu()  # [n, V]
     if params.greedy:
@@ -82,12 +101,13 @@ def verify_row(seq: Sequence, row: RowTree, plan: StepPlan, i: int, logits: torc
         u = torch.cat([u[-1:], u[:-1]])
         probs = None if row.draft_probs is None else row.draft_probs.cpu()
         nodes, out = verify_tree(tokens, tree, probs, target_probs, u)
-    return Verified(out.tolist(), list(nodes), tree.max_depth)
+    return Verified(out.tolist(), list(nodes), tree.max_depth,
+                    _path_logprobs(seq, logits, counts, list(nodes), out.tolist()))
 
 
 def verify_rows(seqs: list[Sequence], rows: list[RowTree], plan: StepPlan, logits: torch.Tensor) -> list[Verified]:
     """logits [N, V] over the plan's real nodes (plan.offsets) -> every row's verdict."""
-    fast = [s.params.greedy and not s.params.has_penalties for s in seqs]
+    fast = [s.params.raw_argmax for s in seqs]
     argmax = logits.argmax(-1).cpu() if any(fast) else None  # one call for every greedy row
     out = []
     for i, (seq, row) in enumerate(zip(seqs, rows, strict=True)):

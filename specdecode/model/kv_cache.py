@@ -142,6 +142,13 @@ class KVCache:
         view.lengths = self.lengths[start:stop]  # a copy: the owner keeps the authoritative lengths
         return view
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy row src's first n entries into row dst (choices of one prompt share its prefill); dst's
+        length is the caller's to set."""
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.pos[dst, :n] = self.pos[src, :n]
+
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src's valid entries into row dst (keeps running sequences in rows 0..n-1)."""
         n = self.lengths[src]

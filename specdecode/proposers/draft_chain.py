@@ -40,7 +40,7 @@ class ChainDraft:
     def pick(self, row: torch.Tensor) -> int:
         """The draft's next token from its logits row [V] (one uniform drawn when sampling)."""
         params, seq = self.seq.params, self.seq
-        if params.greedy and not params.has_penalties:
+        if params.raw_argmax:
             tok = int(row.argmax())
         else:
             row_counts = None

@@ -12,9 +12,10 @@ request aborted, which frees its cache row before the next step.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import dataclasses
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,17 +27,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from specdecode.engine.core import Engine as BatchEngine
 from specdecode.engine.core import QueueFullError
 from specdecode.engine.llm import LLM
+from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.sequence import Sequence
 from specdecode.sampling import SamplingParams
-from specdecode.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, Update
-from specdecode.server.errors import APIError
+from specdecode.server.async_engine import AsyncEngine, EngineDeadError, Update
+from specdecode.server.choices import ChoiceGroup
+from specdecode.server.errors import APIError, error_body
+from specdecode.server.logprobs_format import TokenText, chat_logprobs, completion_logprobs
 from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
+from specdecode.server.middleware import MAX_BODY_BYTES, AuthMiddleware, BodyLimitMiddleware
 from specdecode.server.protocol import (
+    SEED_MAX,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -44,9 +50,7 @@ from specdecode.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    PromptTokensDetails,
     SpeculativeUsage,
-    Usage,
 )
 from specdecode.server.tokenize_routes import tokenizer_router
 
@@ -55,23 +59,15 @@ logger = logging.getLogger("specdecode.server")
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request gives none: the remaining context, capped here (vLLM takes the whole remaining
 context, which on an 8k context makes one forgotten field cost minutes of compute)."""
-MAX_BODY_BYTES = 1 << 20
 RETRY_AFTER_S = 1
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable_error"}
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids"}
+                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens",
+                    "logit_bias", "logprobs"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
-    err_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code if code else status}}
 
 
 def error_response(metrics: ServerMetrics, status: int, message: str, param: str | None = None,
@@ -80,110 +76,10 @@ def error_response(metrics: ServerMetrics, status: int, message: str, param: str
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-# ---- pure ASGI middlewares (run before FastAPI parses anything) -------------------------------------------
-
-
-async def _send_json(send: Send, status: int, body: dict, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    raw = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
-                            *(headers or [])]})
-    await send({"type": "http.response.body", "body": raw})
-
-
-class AuthMiddleware:
-    """With an API key, every path but /health needs `Authorization: Bearer KEY` (else a 401)."""
-
-    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
-        self.app, self.expected, self.metrics = app, f"Bearer {api_key}".encode(), metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            self.metrics.request_errors.labels(code="401").inc()
-            message = "missing or invalid API key: send 'Authorization: Bearer <key>'"
-            return await _send_json(send, 401, error_body(401, message, None, "invalid_api_key"),
-                                    [(b"www-authenticate", b"Bearer")])
-        return await self.app(scope, receive, send)
-
-
-DRAIN_LIMIT = 16 << 20
-"""A refused body declared at most this large is read (and dropped) before the 413: closing a connection with
-unread data resets it, and the client may then see "connection reset" instead of the 413 (nginx's lingering
-close does the same)."""
-
-
-async def _drain(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            return
-
-
-class BodyLimitMiddleware:
-    """Refuse request bodies over `limit` bytes with a 413, by Content-Length or while reading a chunked body.
-
-    POST bodies are read as JSON whatever their Content-Type (the API takes nothing else).
-    """
-
-    def __init__(self, app: ASGIApp, limit: int, metrics: ServerMetrics) -> None:
-        self.app, self.limit, self.metrics = app, limit, metrics
-
-    async def _refuse(self, send: Send) -> None:
-        self.metrics.request_errors.labels(code="413").inc()
-        await _send_json(send, 413, error_body(413, f"request body larger than {self.limit} bytes", None,
-                                               "request_too_large"), [(b"connection", b"close")])
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if scope["method"] == "POST":
-            # Every body this API takes is JSON: read it as JSON whatever the Content-Type says (curl -d sends
-            # application/x-www-form-urlencoded), so the client gets a useful error about its content.
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                declared = self.limit + 1
-            if declared > self.limit:
-                if declared <= DRAIN_LIMIT:
-                    await _drain(receive)
-                return await self._refuse(send)
-            return await self.app(scope, receive, send)
-        # No length given (chunked): read the body here, up to the limit, and replay it.
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # disconnected
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return await self._refuse(send)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-
 class _SSEResponse(StreamingResponse):
-    """A streaming response that aborts its request however the stream ends (done, disconnect, cancel)."""
+    """A streaming response that aborts its request's choices however the stream ends (done, disconnect, cancel)."""
 
-    def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
+    def __init__(self, content: AsyncIterator[str], stream: ChoiceGroup) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._stream = stream
@@ -223,6 +119,15 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
 # ---- the app -------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class Collected:
+    """One choice of a non-streamed answer."""
+
+    text: str
+    final: Update
+    logprobs: list[TokenLogprob]
+
+
 class _Server:
     """State of one app: the model, the engine thread, metrics, and the request handling."""
 
@@ -237,6 +142,7 @@ class _Server:
         self.vocab_size = llm.target.config.vocab_size
         self.created = int(time.time())
         self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdecode-tokenize")
+        self.token_text = TokenText(llm.tokenizer)
 
     # ---- request preparation --------------------------------------------------------------------------
 
@@ -247,16 +153,15 @@ class _Server:
 
     def _check_common(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         self.check_model(body.model)
-        if body.n not in (None, 1):
-            raise APIError(400, "n > 1 is not supported; send one request per completion", "n")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
 
     async def run_tokenizer(self, fn: Callable[[], list[int]]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn)
 
-    def _sequence(self, body: ChatCompletionRequest | CompletionRequest, ids: list[int], prompt_field: str,
-                  max_tokens: int | None) -> Sequence:
+    def _sequences(self, body: ChatCompletionRequest | CompletionRequest, ids: list[int], prompt_field: str,
+                   max_tokens: int | None, logprobs: int | None) -> list[Sequence]:
+        """The request's `n` sequences: one prompt, one prefill group, choice i seeded with seed + i."""
         if any(t >= self.vocab_size for t in ids):
             raise APIError(400, f"token ids must be < the vocabulary size {self.vocab_size}", prompt_field)
         room = self.llm.max_model_len - len(ids)
@@ -280,19 +185,44 @@ class _Server:
             _check_text(s, "stop")
         kwargs["stop_token_ids"] = tuple(body.stop_token_ids or ())
         kwargs["ignore_eos"] = bool(body.ignore_eos)
+        kwargs["logprobs"] = logprobs
+        kwargs["min_tokens"] = body.min_tokens or 0
+        kwargs["logit_bias"] = self._logit_bias(body.logit_bias)
+        n = body.n or 1
+        if n > 1:  # distinct choices, reproducible with a seed
+            base = body.seed if body.seed is not None else secrets.randbits(62)
+            seeds = [base + i if base + i <= SEED_MAX else base - i for i in range(n)]
         try:
             params = SamplingParams(max_tokens=max_tokens, **kwargs)
-            return self.llm.new_sequence(ids, params)
+            if n == 1:
+                return [self.llm.new_sequence(ids, params)]
+            group = object()
+            seqs = [self.llm.new_sequence(ids, dataclasses.replace(params, seed=seed)) for seed in seeds]
+            for seq in seqs:
+                seq.prefill_group = group
+            return seqs
         except ValueError as exc:
             word = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), word if word in _SAMPLING_FIELDS else prompt_field) from None
 
-    async def _submit(self, body: ChatCompletionRequest | CompletionRequest, seq: Sequence) -> RequestStream:
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
+        out = {}
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= self.vocab_size:
+                raise APIError(400, f"logit_bias keys must be token ids below the vocabulary size {self.vocab_size}, "
+                                    f"got {key!r}", "logit_bias")
+            out[int(key)] = float(value)
+        return out
+
+    async def _submit(self, body: ChatCompletionRequest | CompletionRequest, seqs: list[Sequence]) -> ChoiceGroup:
         spec = body.speculative
         k = spec.num_speculative_tokens if spec is not None else None
         k_override = k if isinstance(k, int) else None
+        queue = self.engine.engine.max_waiting
+        if queue is not None and len(seqs) > queue:  # could never be queued: a 429 would be retried forever
+            raise APIError(400, f"n ({len(seqs)}) exceeds the requests this server queues at once ({queue})", "n")
         try:
-            return await self.engine.add(seq, k_override)
+            return ChoiceGroup(await self.engine.add_group(seqs, k_override))
         except QueueFullError as exc:
             raise APIError(429, f"the server is busy ({exc}); retry later", None, "rate_limit_exceeded",
                            {"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -302,16 +232,15 @@ class _Server:
         except ValueError as exc:
             raise APIError(400, str(exc), "max_tokens", "context_length_exceeded") from None
 
-    async def prepare_completion(self, body: CompletionRequest) -> RequestStream:
+    async def prepare_completion(self, body: CompletionRequest) -> ChoiceGroup:
         self._check_common(body)
         if body.echo:
             raise APIError(400, "echo is not supported", "echo")
-        if body.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", "logprobs")
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
-        if body.best_of not in (None, 1):
-            raise APIError(400, "best_of > 1 is not supported", "best_of")
+        if body.best_of not in (None, body.n or 1):
+            raise APIError(400, "best_of other than n is not supported (no choices are generated to be dropped)",
+                           "best_of")
         prompt: Any = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a list holding one prompt
@@ -328,13 +257,13 @@ class _Server:
             ids = list(prompt)
         if not ids:
             raise APIError(400, "prompt is empty", "prompt")
-        seq = self._sequence(body, ids, "prompt", body.max_tokens)
-        return await self._submit(body, seq)
+        seqs = self._sequences(body, ids, "prompt", body.max_tokens, body.logprobs)
+        return await self._submit(body, seqs)
 
-    async def prepare_chat(self, body: ChatCompletionRequest) -> RequestStream:
+    async def prepare_chat(self, body: ChatCompletionRequest) -> ChoiceGroup:
         self._check_common(body)
-        if body.logprobs or body.top_logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         for i, m in enumerate(messages):
             _check_text(m["content"], f"messages[{i}].content")
@@ -347,29 +276,41 @@ class _Server:
         except Exception as exc:  # the model's template may reject a conversation (roles, order)
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        seq = self._sequence(body, ids, "messages", max_tokens)
-        return await self._submit(body, seq)
+        seqs = self._sequences(body, ids, "messages", max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        return await self._submit(body, seqs)
 
     # ---- responses ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def usage(stream: RequestStream, final: Update) -> dict[str, Any]:
-        spec = SpeculativeUsage.from_stats(final.stats)
-        return Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=final.num_output,
-                     total_tokens=stream.prompt_tokens + final.num_output,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=stream.seq.cached_tokens),
-                     speculative=spec).model_dump()
+    def logprobs_formatter(self, kind: str) -> Callable[[int, list[TokenLogprob]], dict[str, Any]]:
+        """(choice index, new tokens' logprobs) -> the choice's logprobs object: chat's or completions' (whose
+        text offsets run on across a choice's chunks)."""
+        if kind == "chat":
+            return lambda i, entries: chat_logprobs(entries, self.token_text)
+        offsets: dict[int, int] = {}
 
-    async def collect(self, stream: RequestStream, request: Request) -> tuple[str, Update]:
-        """Wait for the whole answer; abort if the client disconnects meanwhile."""
+        def completion(i: int, entries: list[TokenLogprob]) -> dict[str, Any]:
+            out = completion_logprobs(entries, self.token_text, offsets.get(i, 0))
+            offsets[i] = offsets.get(i, 0) + sum(len(t) for t in out["tokens"])
+            return out
 
-        async def gather() -> tuple[str, Update]:
-            parts = []
-            async for update in stream:
-                parts.append(update.text)
-                if update.finished:
-                    return "".join(parts), update
-            raise RuntimeError("stream ended without a final update")  # pragma: no cover
+        return completion
+
+    async def collect(self, group: ChoiceGroup, request: Request) -> list[Collected]:
+        """Wait for every choice's whole answer; abort them all if the client disconnects meanwhile."""
+
+        async def gather() -> list[Collected]:
+            parts: list[list[str]] = [[] for _ in group.streams]
+            logprobs: list[list[TokenLogprob]] = [[] for _ in group.streams]
+            finals: list[Update | None] = [None] * len(group.streams)
+            async for i, update in group.updates():
+                parts[i].append(update.text)
+                logprobs[i] += update.logprobs or []
+                if update.finished or update.error is not None:
+                    finals[i] = update
+            if any(f is None for f in finals):  # pragma: no cover
+                raise RuntimeError("stream ended without a final update")
+            return [Collected("".join(p), f, lp) for p, f, lp in zip(parts, finals, logprobs, strict=True)
+                    if f is not None]
 
         async def disconnected() -> None:
             while not await request.is_disconnected():
@@ -381,65 +322,75 @@ class _Server:
             await asyncio.wait({gatherer, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not gatherer.done():
                 raise APIError(499, "client disconnected")
-            text, final = gatherer.result()
-            if final.error is not None:
-                raise APIError(500, final.error, None, "engine_error")
-            return text, final
+            choices = gatherer.result()
+            for c in choices:
+                if c.final.error is not None:
+                    raise APIError(500, c.final.error, None, "engine_error")
+            return choices
         finally:
             for task in (gatherer, watcher):
                 task.cancel()
-            stream.close()
+            group.close()
 
-    def chat_events(self, stream: RequestStream, rid: str, include_usage: bool) -> AsyncIterator[str]:
+    def chat_events(self, group: ChoiceGroup, rid: str, include_usage: bool) -> AsyncIterator[str]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
         # Chat streams open with the role, send text as deltas, and finish with an empty delta.
-        return self._events(stream, base, include_usage, lambda text: {"delta": {} if text is None else
-                                                                       {"content": text}},
-                            opening={"delta": {"role": "assistant", "content": ""}}, final_carries_text=False)
+        return self._events(group, base, include_usage, lambda text: {"delta": {} if text is None else
+                                                                      {"content": text}},
+                            opening={"delta": {"role": "assistant", "content": ""}}, final_carries_text=False,
+                            logprobs=self.logprobs_formatter("chat"))
 
-    def completion_events(self, stream: RequestStream, rid: str, include_usage: bool) -> AsyncIterator[str]:
+    def completion_events(self, group: ChoiceGroup, rid: str, include_usage: bool) -> AsyncIterator[str]:
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         # Completion streams carry the last piece of text in the chunk that finishes.
-        return self._events(stream, base, include_usage, lambda text: {"text": text or ""},
-                            opening=None, final_carries_text=True)
+        return self._events(group, base, include_usage, lambda text: {"text": text or ""},
+                            opening=None, final_carries_text=True, logprobs=self.logprobs_formatter("completion"))
 
     def _events(
         self,
-        stream: RequestStream,
+        group: ChoiceGroup,
         base: dict[str, Any],
         include_usage: bool,
         payload: Callable[[str | None], dict[str, Any]],
         opening: dict[str, Any] | None,
         final_carries_text: bool,
+        logprobs: Callable[[int, list[TokenLogprob]], dict[str, Any]],
     ) -> AsyncIterator[str]:
         """SSE events of one streamed request, shared by chat and completions (they differ only in how a
-        choice holds text)."""
+        choice holds text); each choice's chunks carry its index, the first chunk of an update its tokens'
+        logprobs."""
 
-        def chunk(fields: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-            obj = {**base, "choices": [{"index": 0, **fields, "logprobs": None, "finish_reason": finish}]}
+        def chunk(i: int, fields: dict[str, Any], finish: str | None = None, lp: Any = None, **extra: Any) -> str:
+            obj = {**base, "choices": [{"index": i, **fields, "logprobs": lp, "finish_reason": finish}]}
             if include_usage:
                 obj["usage"] = None
             return _sse({**obj, **extra})
 
         async def events() -> AsyncIterator[str]:
             if opening is not None:
-                yield chunk(opening)
-            async for update in stream:
+                for i in range(len(group.streams)):
+                    yield chunk(i, opening)
+            finals: list[Update] = []
+            async for i, update in group.updates():
                 if update.error is not None:
                     self.metrics.request_errors.labels(code="500").inc()
                     yield _sse(error_body(500, update.error, None, "engine_error"))
                     break
+                lp = logprobs(i, update.logprobs) if update.logprobs is not None else None
                 if update.finished:
+                    finals.append(update)
                     if update.text and not final_carries_text:
-                        yield chunk(payload(update.text))
+                        yield chunk(i, payload(update.text), lp=lp)
+                        lp = None
                     spec = SpeculativeUsage.from_stats(update.stats)
                     final_text = update.text if final_carries_text else None
-                    yield chunk(payload(final_text), update.finish_reason,
+                    yield chunk(i, payload(final_text), update.finish_reason, lp,
                                 speculative=spec.model_dump() if spec else None)
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": self.usage(stream, update)})
                 elif update.text:
-                    yield chunk(payload(update.text))
+                    yield chunk(i, payload(update.text), lp=lp)
+            else:
+                if include_usage:
+                    yield _sse({**base, "choices": [], "usage": group.usage(finals)})
             yield "data: [DONE]\n\n"
 
         return events()
@@ -563,11 +514,13 @@ def build_app(
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return _SSEResponse(server.completion_events(stream, rid, include), stream)
-        text, final = await server.collect(stream, request)
+        choices = await server.collect(stream, request)
+        fmt = server.logprobs_formatter("completion")
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": int(time.time()), "model": server.model_name,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}],
-            "usage": server.usage(stream, final),
+            "choices": [{"index": i, "text": c.text, "logprobs": fmt(i, c.logprobs) if body.logprobs is not None
+                         else None, "finish_reason": c.final.finish_reason} for i, c in enumerate(choices)],
+            "usage": stream.usage([c.final for c in choices]),
         })
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERROR_RESPONSES)
@@ -577,12 +530,14 @@ def build_app(
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return _SSEResponse(server.chat_events(stream, rid, include), stream)
-        text, final = await server.collect(stream, request)
+        choices = await server.collect(stream, request)
+        fmt = server.logprobs_formatter("chat")
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": server.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": final.finish_reason}],
-            "usage": server.usage(stream, final),
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": fmt(i, c.logprobs) if body.logprobs else None,
+                         "finish_reason": c.final.finish_reason} for i, c in enumerate(choices)],
+            "usage": stream.usage([c.final for c in choices]),
         })
 
     app.include_router(tokenizer_router(server))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.engine.core import Engine as BatchEngine
+from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.sequence import Sequence
 from specdecode.metrics import SpecStats
 from specdecode.server.metrics import ServerMetrics, snapshot
@@ -44,6 +45,8 @@ class Update:
     """``SpecStats.to_dict()`` of the request; set on the final update."""
     error: str | None = None
     """Set when the engine failed this request (the server turns it into a 500-style error)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Logprobs of the tokens generated since the last update, when the request asks for them."""
 
 
 class RequestStream:
@@ -85,6 +88,7 @@ class _Live:
     spec: SpecStats | None = None
     first_token_seen: bool = False
     seen_step: int = field(default=-1)
+    sent_logprobs: int = 0
 
 
 _STOP = object()
@@ -130,18 +134,24 @@ class AsyncEngine:
 
     async def add(self, seq: Sequence, k_override: int | None = None) -> RequestStream:
         """Queue a request; raises QueueFullError (queue bound) or ValueError (can never fit) from the engine."""
+        return (await self.add_group([seq], k_override))[0]
+
+    async def add_group(self, seqs: list[Sequence], k_override: int | None = None) -> list[RequestStream]:
+        """Queue requests together (the choices of one request: queued in one command, they are admitted in
+        the same step and share their prompt's prefill); all or none are queued."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[None] = loop.create_future()
-        stream = RequestStream(self, seq)
-        self._cmds.put(("add", seq, k_override, stream, loop, admitted))
+        streams = [RequestStream(self, seq) for seq in seqs]
+        self._cmds.put(("add", seqs, k_override, streams, loop, admitted))
         try:
             await admitted
         except asyncio.CancelledError:
-            self.abort(seq.request_id)  # the client left before admission: drop it if it got in
+            for seq in seqs:  # the client left before admission: drop them if they got in
+                self.abort(seq.request_id)
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Drop a request before the engine's next step (thread-safe; unknown ids are ignored)."""
@@ -185,14 +195,20 @@ class AsyncEngine:
 
     def _handle(self, cmd: tuple[Any, ...]) -> None:
         if cmd[0] == "add":
-            _, seq, k_override, stream, loop, admitted = cmd
+            _, seqs, k_override, streams, loop, admitted = cmd
+            added: list[Sequence] = []
             try:
-                self.engine.add(seq, k_override)
+                for seq in seqs:
+                    self.engine.add(seq, k_override)
+                    added.append(seq)
             except Exception as exc:  # QueueFullError / ValueError: the handler maps them to 429 / 400
+                for seq in added:
+                    self.engine.abort(seq.request_id)
                 self._call(loop, _resolve, admitted, exc)
                 return
-            self._live[seq.request_id] = _Live(stream, loop, time.perf_counter())
-            self.metrics.prompt_tokens.inc(seq.prompt_len)
+            for seq, stream in zip(seqs, streams, strict=True):
+                self._live[seq.request_id] = _Live(stream, loop, time.perf_counter())
+                self.metrics.prompt_tokens.inc(seq.prompt_len)
             self._call(loop, _resolve, admitted, None)
         elif cmd[0] == "abort":
             live = self._live.pop(cmd[1], None)
@@ -226,6 +242,9 @@ class AsyncEngine:
             if not (text or seq.finished):
                 continue
             update = Update(text, seq.num_output, seq.prompt_len, seq.finished, seq.finish_reason)
+            if seq.logprobs is not None:
+                update.logprobs = seq.logprobs[live.sent_logprobs :]
+                live.sent_logprobs = len(seq.logprobs)
             if seq.finished:
                 del self._live[seq.request_id]
                 update.stats = seq.stats.to_dict()

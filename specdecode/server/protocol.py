@@ -22,6 +22,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 1024
 MAX_TOKENS_LIMIT = 1 << 20
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+MAX_CHOICES = 16
+MAX_LOGIT_BIAS = 300
+MAX_LOGPROBS = 20
 
 Float = StrictFloat | StrictInt  # JSON 1 is a fine temperature
 
@@ -56,7 +59,9 @@ class _SamplingFields(_Request):
         None, description="Default: the remaining context, capped at the server's --default-max-tokens (256).")
     temperature: Annotated[Float, Field(ge=0.0, le=100.0)] | None = Field(None, description="Default 1; 0 = greedy.")
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=128)] | None = Field(None, description="Only 1 is supported.")
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = Field(
+        None, description="Independent choices of the same prompt (its prefill is shared); usage counts the "
+                          "prompt once and every choice's tokens.")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(max_length=MAX_STOP_LEN)]],
@@ -77,6 +82,11 @@ class _SamplingFields(_Request):
     ignore_eos: StrictBool | None = False
     stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=256)] | None = None
     speculative: SpeculativeOptions | None = None
+    logit_bias: Annotated[dict[StrictStr, Annotated[Float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100] added to the logits.")
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = Field(
+        None, description="vLLM extension: EOS and stop_token_ids are masked until this many tokens.")
 
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
@@ -87,7 +97,8 @@ class CompletionRequest(_SamplingFields):
         list[TokenIds], Field(min_length=1, max_length=1)] = Field(
         ..., description="Text or token ids (one prompt per request; a list holding one prompt is accepted).")
     echo: StrictBool | None = False
-    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="Report each token's logprob and this many most likely alternatives.")
     suffix: StrictStr | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
 
@@ -114,7 +125,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     logprobs: StrictBool | None = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="Alternatives per token (needs logprobs: true).")
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -150,10 +162,31 @@ class Usage(_Model):
     speculative: SpeculativeUsage | None = None
 
 
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Model):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(_Model):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Model):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -184,7 +217,7 @@ class ChatMessageOut(_Model):
 class ChatChoice(_Model):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -205,7 +238,7 @@ class DeltaMessage(_Model):
 class ChatStreamChoice(_Model):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
