@@ -54,7 +54,8 @@ def run_method(name: str, args: argparse.Namespace, messages: list[list[dict[str
               max_model_len=args.max_model_len, quantization=spec.quantization, max_num_seqs=rows)
     prompts = [llm.chat_prompt_ids(m) for m in messages]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=16, temperature=0.0))  # warm-up
+    # Warm-up, and the cost model's batch shapes (measured the first time a call runs this many rows).
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
     t0 = time.perf_counter()
     single = [llm.generate([p], params)[0] for p in prompts]
     single_s = time.perf_counter() - t0

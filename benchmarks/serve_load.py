@@ -11,10 +11,18 @@ Example (the numbers recorded in BENCHMARKS.md)::
     python benchmarks/serve_load.py --model qwen2.5-coder-1.5b-instruct \\
         --draft qwen2.5-coder-0.5b-instruct --num-prompts 32 --max-tokens 128 --out bench-out/serve_load
 
-Smoke run on a tiny model::
+One method per run on HumanEval prompts (`--method eagle` drafts trees with the shipped head; `--draft` with
+`--method draft` drafts with the draft model)::
 
-    python benchmarks/serve_load.py --model path/to/tiny --dtype fp32 --method ngram --num-prompts 4 \\
-        --max-tokens 16 --concurrency 1,2 --out bench-out/serve_load
+    python benchmarks/serve_load.py --model qwen2.5-coder-1.5b-instruct --method eagle --dataset humaneval \\
+        --num-prompts 32 --max-tokens 128 --out bench-out/serve_load_eagle
+    python benchmarks/serve_load.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
+        --method draft --dataset humaneval --num-prompts 32 --max-tokens 128 --out bench-out/serve_load_draft
+
+Smoke run on a small model (the model as its own draft, a fixed k so that it drafts)::
+
+    python benchmarks/serve_load.py --model smollm2-135m-instruct --draft smollm2-135m-instruct --method draft \\
+        --num-speculative-tokens 3 --max-model-len 1024 --num-prompts 4 --max-tokens 16 --concurrency 1,2
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 and leave at different lengths, gives each request plain decoding's tokens.
 
 Requests differ in prompt and max_tokens (so rows leave at different steps and the last row moves into
-a freed one), and join while others run (a new row's prefill between two batch steps). Drafters: n-gram,
-a draft model as chain and as tree (with the prompt-lookup branch), Medusa heads and an EAGLE tree with
-and without the lookup branch; random heads and a random draft reject most drafts, the target as its own
-draft accepts them all, so both full and partial acceptance run in the same batches.
+a freed one), and join while others run (a new row's prefill between two batch steps). Drafters: n-gram, a
+draft model as chain and as tree (with the prompt-lookup branch), Medusa heads and an EAGLE tree with and
+without the lookup branch, the draft model and the heads drafting every row in one forward per level; random
+heads and a random draft reject most drafts, the target as its own draft accepts them all, so both full and
+partial acceptance run in the same batches.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from specdecode import LLM, SamplingParams
 from specdecode.engine.core import Engine
 from specdecode.heads.persist import new_head, save_head
 from specdecode.model.load import load_model
+from specdecode.proposers.draft_rows import DraftModelRows
+from specdecode.proposers.eagle_rows import EagleRows
+from specdecode.proposers.rows import MedusaRows
 
 MAX_TOKENS = [24, 9, 17, 30, 5, 21, 13, 28]
 TEXTS = ["def add(a, b):", "The quick brown fox", "x = [1, 2, 3]\nfor i in x:", "Hello", "a b a b a b a",
@@ -90,6 +94,8 @@ def test_every_method_in_batches_equals_plain(method: str, tiny_llama_dir: Path,
     prompts, ref = reference
     spec = _methods(tiny_llama_dir, tiny_llama_other_dir, heads)[method]
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
+    batched = {"draft": DraftModelRows, "eagle": EagleRows, "medusa": MedusaRows}.get(spec["method"])
+    assert batched is None or isinstance(llm.engine.proposer, batched)  # every row drafted in one forward a level
     for rows in (1, 3, 8):
         engine = llm.batch_engine(max_num_seqs=rows)
         assert _run(llm, engine, prompts) == ref, (method, rows)

@@ -3,10 +3,11 @@
 The target is a one-layer model whose attention and MLP outputs are zeroed, so its next-token logits
 depend only on the last token: a Markov chain over a 6-token vocabulary, whose exact distribution of the
 first three sampled tokens is a finite product (`markov_joint`), i.e. what plain sampling draws. Requests
-run 16 at a time through `Engine` with a random draft model (a sampled chain, with its probabilities, or
-a tree of point masses); the histogram of their first three tokens must pass a chi-square test against
-that distribution. The negative control verifies without the residual distribution (a rejected
-candidate's mass is not removed before the next candidate or the recovered token): it must fail.
+run 16 at a time through `Engine` with a random draft model that drafts every row in one forward (a sampled
+chain, with its probabilities, or a tree of point masses); the histogram of their first three tokens must
+pass a chi-square test against that distribution. The negative control verifies without the residual
+distribution (a rejected candidate's mass is not removed before the next candidate or the recovered token):
+it must fail.
 Every request has its own seed, so the test is deterministic.
 """
 
@@ -21,8 +22,7 @@ from specdecode.engine.core import Engine
 from specdecode.engine.sequence import Sequence
 from specdecode.model.config import ModelConfig
 from specdecode.model.transformer import Transformer
-from specdecode.proposers.draft_model import DraftModelProposer
-from specdecode.proposers.rows import RowProposers
+from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.sampling import SamplingParams
 from specdecode.verify import tree as tree_verify
 
@@ -80,7 +80,7 @@ def _transition_logits() -> torch.Tensor:
 
 
 def _sample(tree_width: int, k: int) -> np.ndarray:
-    proposer = RowProposers(lambda: DraftModelProposer(DRAFT, 32, tree_width=tree_width, tree_branching=2))
+    proposer = DraftModelRows(DRAFT, 32, tree_width=tree_width, tree_branching=2)  # every row in one forward
     engine = Engine(TARGET, 32, proposer, k_max=k, fixed_k=k, max_num_seqs=16, max_waiting=None)
     seqs = [Sequence(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), _NoText(), VOCAB, torch.device("cpu"), 0)
             for i in range(NUM_REQUESTS)]

@@ -12,7 +12,7 @@ import torch
 from specdecode.config import SpeculativeConfig
 from specdecode.engine.adaptive import CostModel
 from specdecode.engine.core import Engine
-from specdecode.engine.measure import measure_cost
+from specdecode.engine.measure import CostMeasurement
 from specdecode.engine.prefix_cache import DEFAULT_POOL_GB, PrefixCache
 from specdecode.engine.sequence import RequestOutput, Sequence
 from specdecode.engine.validation import (
@@ -36,8 +36,10 @@ from specdecode.model.load import (
     parse_dtype,
     read_config,
 )
-from specdecode.proposers.base import Proposer
+from specdecode.proposers.base import BatchProposer, Proposer
 from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.draft_rows import DraftModelRows
+from specdecode.proposers.eagle_rows import EagleRows
 from specdecode.proposers.heads import EagleProposer, MedusaProposer
 from specdecode.proposers.ngram import NgramProposer
 from specdecode.proposers.rows import MedusaRows, RowProposers
@@ -136,6 +138,9 @@ class LLM:
         convert_linears(self.target.model, target_linear_format(quantization, self.dtype, self.device))
         self.draft: LoadedModel | None = None
         self.proposer_factory: Callable[[], Proposer] | None = None
+        """One sequence's proposer (the benchmark's single-request tools; tests of per-row drafting)."""
+        self.batch_factory: Callable[[int], BatchProposer] | None = None
+        """max rows -> the engine's batch proposer: every row drafted together (one forward per level)."""
         lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.draft_prompt_lookup else None
         if spec is not None and spec.method == "draft":
             assert draft_path is not None
@@ -152,14 +157,18 @@ class LLM:
             width, branching = spec.tree_width, spec.tree_branching
             self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len, width, branching,
                                                                lookup, vocab=rows)
+            self.batch_factory = lambda n: DraftModelRows(draft_model, self.max_model_len, width, branching, lookup,
+                                                          vocab=rows, max_rows=n)
         elif isinstance(self.head, EagleHead):
             head, width, branching = self.head, spec.tree_width, spec.tree_branching
             columns = spec.head_prompt_tokens
             self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching, columns)
+            self.batch_factory = lambda n: EagleRows(head, self.max_model_len, width, branching, columns, max_rows=n)
         elif isinstance(self.head, MedusaHeads):
             medusa, width, branching = self.head, spec.tree_width, spec.tree_branching
             columns = spec.head_prompt_tokens
             self.proposer_factory = lambda: MedusaProposer(medusa, width, branching, columns)
+            self.batch_factory = lambda n: MedusaRows(self.proposer_factory)  # type: ignore[arg-type]
         elif spec is not None:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
             self.proposer_factory = lambda: NgramProposer(lo, hi)
@@ -170,30 +179,42 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.k_max = spec.k_max if spec is not None else 0
         self.fixed_k = None if (spec is None or spec.adaptive) else int(spec.num_speculative_tokens)
-        proposer = self.new_proposer()
+        proposer = self.new_proposer(max_num_seqs)
+        self.measurement: CostMeasurement | None = None
+        """The start-up measurement behind `cost`, extended when a call first runs more rows than it covers."""
         self.cost: CostModel | None = None
-        """The measured cost model (adaptive k only): what `generate`'s batches and the server's are sized by."""
+        """The measured cost model (adaptive k only): what `generate`'s batches and the server's are sized by.
+        One row at start-up; `generate` measures batch shapes the first time it runs that many rows."""
         if proposer is not None and self.fixed_k is None:
-            self.cost = self.measure_cost(proposer, max_num_seqs)
+            self.measurement = CostMeasurement(self.target.model, proposer, self.k_max, self.max_model_len)
+            self.cost = self._measured(1)
         self.engine = self._engine(proposer, self.cost, max_num_seqs, None, allocate=False)
         """The engine of `generate` and `stream` (its cache grows to the rows a call needs)."""
 
-    def new_proposer(self) -> RowProposers | None:
-        """A batch proposer: one drafting state per row (None without speculation)."""
-        if self.proposer_factory is None:
-            return None
-        batch = MedusaRows if isinstance(self.head, MedusaHeads) else RowProposers
-        return batch(self.proposer_factory)
+    def new_proposer(self, max_rows: int | None = None) -> BatchProposer | None:
+        """A batch proposer for up to max_rows rows (None without speculation)."""
+        if self.batch_factory is not None:
+            return self.batch_factory(max_rows or self.max_num_seqs)
+        return RowProposers(self.proposer_factory) if self.proposer_factory is not None else None
 
-    def measure_cost(self, proposer: RowProposers | None, max_rows: int, flat: bool = False) -> CostModel:
+    def measure_cost(self, proposer: BatchProposer | None, max_rows: int, flat: bool = False) -> CostModel:
         """Time the target's forwards (one row up to a whole tree, and batches up to max_rows rows) and the
-        drafter's step, once at start-up."""
-        with timed_step(logger, f"measured the target's forward costs ({max_rows} rows; they size drafts)") as step:
-            cost = measure_cost(self.target.model, proposer, self.k_max, self.max_model_len, max_rows, flat=flat)
+        drafter's step afresh."""
+        return self._measured(max_rows, CostMeasurement(self.target.model, proposer, self.k_max, self.max_model_len,
+                                                        flat=flat))
+
+    def _measured(self, rows: int, measurement: CostMeasurement | None = None) -> CostModel:
+        """The cost model for batches of up to `rows` rows, measuring the shapes not yet measured."""
+        m = measurement or self.measurement
+        assert m is not None
+        if m.rows >= rows:
+            return m.cost(rows)
+        with timed_step(logger, f"measured the target's forward costs (up to {rows} rows; they size drafts)") as step:
+            cost = m.cost(rows)
             step["detail"] = f"1-token forward {1000 * cost.target_forward_seconds(1):.1f} ms"
         return cost
 
-    def _engine(self, proposer: RowProposers | None, cost: CostModel | None, max_num_seqs: int,
+    def _engine(self, proposer: BatchProposer | None, cost: CostModel | None, max_num_seqs: int,
                 max_waiting: int | None, allocate: bool) -> Engine:
         return Engine(self.target.model, self.max_model_len, proposer, self.k_max, self.fixed_k, cost, max_num_seqs,
                       max_waiting, self.tree_lookup, allocate=allocate, prefix_cache=self.prefix_cache,
@@ -204,20 +225,46 @@ class LLM:
         cache rows allocated now and its own drafting states); measures its cost unless `generate`'s covers
         as many rows."""
         # Every row's KV cache is allocated up front: refuse now rather than run out of memory under load.
-        width = self.dtype.itemsize
-        slots = self.max_model_len + MAX_TREE_NODES
-        parts = [("target KV cache", self.target.config.kv_bytes_per_token(width) * slots * max_num_seqs)]
-        if self.draft is not None:
-            draft_width = self.draft.model.dtype.itemsize
-            parts.append(("draft KV caches", self.draft.config.kv_bytes_per_token(draft_width) * slots * max_num_seqs))
+        parts = self._row_cache_parts(max_num_seqs)
         if self.prefix_cache is not None:
             parts.append(("prefix cache", self.prefix_cache.max_bytes))
         check_memory(parts, self.device)
-        proposer = self.new_proposer()
+        proposer = self.new_proposer(max_num_seqs)
         cost = self.cost
-        if proposer is not None and (cost is None or max_num_seqs > self.max_num_seqs):
-            cost = self.measure_cost(proposer, max_num_seqs)
+        if proposer is not None:
+            if self.measurement is None:  # a fixed k: the server still sizes its batches by the cost
+                self.measurement = CostMeasurement(self.target.model, proposer, self.k_max, self.max_model_len)
+            cost = self._measured(max_num_seqs)
         return self._engine(proposer, cost, max_num_seqs, max_waiting, allocate=True)
+
+    def _row_cache_parts(self, rows: int) -> list[tuple[str, int]]:
+        """(label, bytes) of the caches `rows` batch rows allocate: the target's KV cache, the draft's, an EAGLE
+        head's features and cache."""
+        slots = self.max_model_len + MAX_TREE_NODES
+        size = f"{rows} rows x {slots} slots"
+        per_token = self.target.config.kv_bytes_per_token(self.dtype.itemsize)
+        parts = [(f"target KV cache ({size})", per_token * slots * rows)]
+        if self.draft is not None:
+            per_token = self.draft.config.kv_bytes_per_token(self.draft.model.dtype.itemsize)
+            parts.append((f"draft KV caches ({size})", per_token * slots * rows))
+        if isinstance(self.head, EagleHead) and self.batch_factory is not None:
+            c, width = self.head.config, self.head.dtype.itemsize
+            per_token = (c.hidden_size + 2 * c.num_kv_heads * c.head_dim) * width
+            parts.append((f"EAGLE features and cache ({size})", per_token * slots * rows))
+        return parts
+
+    def _grow_rows(self, rows: int) -> None:
+        """Make `generate`'s engine ready for `rows` rows: refuse before allocating caches that do not fit (naming
+        their sizes), and measure the batch shapes the cost model has not seen yet."""
+        engine = self.engine
+        have = engine.cache.batch_size if engine.cache is not None else 0
+        if rows > have:
+            check_memory(self._row_cache_parts(rows), self.device,
+                         f"lower max_num_seqs (now {self.max_num_seqs}: rows run at once) or max_model_len")
+        m = self.measurement
+        if m is not None and rows > m.rows and engine.cost is self.cost:  # not a cost the caller set
+            self.cost = engine.cost = self._measured(rows)
+        engine.reserve(rows)
 
     def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         """Validate and tokenize one request (raises ValueError on bad input)."""
@@ -252,7 +299,7 @@ class LLM:
     def run_sequences(self, seqs: list[Sequence]) -> list[Sequence]:
         """Run sequences to completion as one batch (up to max_num_seqs rows at a time)."""
         engine = self.engine
-        engine.reserve(len(seqs))
+        self._grow_rows(min(len(seqs), self.max_num_seqs))
         for s in seqs:
             engine.add(s)
         try:
@@ -283,7 +330,7 @@ class LLM:
         """Yield (new text, sequence) after every step; the text never contains part of a stop string."""
         seq = self.new_sequence(prompt, sampling_params or SamplingParams())
         engine = self.engine
-        engine.reserve(1)
+        self._grow_rows(1)
         engine.add(seq)
         try:
             while not seq.finished:

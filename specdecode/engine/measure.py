@@ -29,36 +29,75 @@ def measure_cost(target: Transformer, proposer: BatchProposer | None, k_max: int
     `flat` keeps only the 1-token time and prices every larger forward the same, as on a GPU whose
     forward of a 1.5B model stays memory-bound up to the largest tree: the benchmark uses it to show
     the trees (and τ) such hardware would choose, on a CPU where they are too slow to pay."""
-    tree = proposer is not None and proposer.capabilities.trees
-    top = MAX_TREE_NODES + 1 if tree else k_max + 1
-    wanted = {1, 2, 3, 4, 6, 8, k_max + 1} | ({12, 16, 24, 32, 48, top} if tree else set())
-    ts = sorted(t for t in wanted if t <= top)
-    # A short max_len leaves less room: shrink the context, then drop the t that do not fit after it.
-    context = max(0, min(context, max_len - top - 1))
-    ts = [t for t in ts if context + t <= max_len] or [1]
-    widths = sorted(w for w in {1, 2, 4, k_max + 1} if context + w <= max_len)
-    batches = sorted({2, 4, 8, 16, max_rows} & set(range(2, max_rows + 1)))
-    shapes = [(1, t) for t in ts] + ([] if flat else [(b, w) for b in batches for w in widths])
-    cache = target.new_cache(max(1, max_rows if batches else 1), context + max(ts) + 1)
-    if context:
-        _forward(target, cache, cache.batch_size, context, 0)  # warm-up and a realistic cache
-    timed = shapes[:1] if flat else shapes  # a flat curve needs only the 1-token time
-    samples: dict[tuple[int, int], list[float]] = {s: [] for s in timed}
-    for _ in range(repeats):  # rounds over every shape: a slow spell of a shared machine slows all alike,
-        for rows, t in timed:  # so the ratios that choose k and the tree stay right
-            t0 = time.perf_counter()
-            _forward(target, cache, rows, t, context)
-            samples[(rows, t)].append(time.perf_counter() - t0)
-    points: dict[int, float] = {}
-    for (rows, t), s in samples.items():
-        points[rows * t] = min(points.get(rows * t, float("inf")), statistics.median(s))
-    # A forward over more tokens never costs less: a slow spell during one sample must not make a larger
-    # forward look cheaper than a smaller one (the lower envelope from above).
-    lowest = float("inf")
-    for t in sorted(points, reverse=True):
-        lowest = points[t] = min(points[t], lowest)
-    if flat:
-        points = dict.fromkeys(ts, points[1])
-    draft = proposer.step_cost_hint() if proposer is not None else 0.0
-    catch_up = proposer.catch_up_token_seconds() if proposer is not None and proposer.capabilities.catch_up else 0.0
-    return CostModel.from_points(points, max(points), draft_step_seconds=draft, catch_up_token_seconds=catch_up)
+    return CostMeasurement(target, proposer, k_max, max_len, context, repeats, flat).cost(max_rows)
+
+
+class CostMeasurement:
+    """The cost model measured as far as the calls so far needed: one row (a lone request's chain or tree) at
+    first, then the batch shapes up to a larger number of rows the first time a batch of that size runs.
+
+    Measuring every batch size up to the engine's max_num_seqs at start-up takes most of a minute on a 1.5B
+    target, and a call with one prompt never uses it; batch shapes measured later join the one-row points
+    (each shape's median over its own rounds, the fastest shape per total tokens counting)."""
+
+    def __init__(self, target: Transformer, proposer: BatchProposer | None, k_max: int, max_len: int,
+                 context: int = 128, repeats: int = 3, flat: bool = False) -> None:
+        self.target, self.proposer, self.k_max, self.max_len = target, proposer, k_max, max_len
+        self.repeats, self.flat = repeats, flat
+        tree = proposer is not None and proposer.capabilities.trees
+        self.top = MAX_TREE_NODES + 1 if tree else k_max + 1
+        wanted = {1, 2, 3, 4, 6, 8, k_max + 1} | ({12, 16, 24, 32, 48, self.top} if tree else set())
+        ts = sorted(t for t in wanted if t <= self.top)
+        # A short max_len leaves less room: shrink the context, then drop the t that do not fit after it.
+        self.context = max(0, min(context, max_len - self.top - 1))
+        self.ts = [t for t in ts if self.context + t <= max_len] or [1]
+        self.widths = sorted(w for w in {1, 2, 4, k_max + 1} if self.context + w <= max_len)
+        self.rows = 0
+        """Rows measured so far (0: nothing yet)."""
+        self.medians: dict[tuple[int, int], float] = {}
+        """(rows, tokens per row) -> median seconds of that forward."""
+
+    def cost(self, rows: int) -> CostModel:
+        """The cost model covering batches of up to `rows` rows (measuring what is missing)."""
+        rows = max(1, rows)
+        if self.rows == 0:
+            self._time([(1, t) for t in (self.ts[:1] if self.flat else self.ts)], 1)
+            self.rows = 1
+        if rows > self.rows and not self.flat:  # a flat curve needs only the 1-token time
+            batches = sorted({2, 4, 8, 16, rows} & set(range(self.rows + 1, rows + 1)))
+            if batches:
+                # One shape per total: the most rows (what a batch runs); the cost model keys forwards by total.
+                by_total = {b * w: (b, w) for b in batches for w in self.widths}  # batches ascending
+                shapes = sorted(by_total.values())
+                self._time(shapes, max(batches))
+            self.rows = rows
+        return self._model()
+
+    def _time(self, shapes: list[tuple[int, int]], rows: int) -> None:
+        target = self.target
+        cache = target.new_cache(rows, self.context + max(t for _, t in shapes) + 1)
+        if self.context:
+            _forward(target, cache, rows, self.context, 0)  # warm-up and a realistic cache
+        samples: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
+        for _ in range(self.repeats):  # rounds over every shape: a slow spell of a shared machine slows all
+            for b, t in shapes:  # alike, so the ratios that choose k and the tree stay right
+                t0 = time.perf_counter()
+                _forward(target, cache, b, t, self.context)
+                samples[(b, t)].append(time.perf_counter() - t0)
+        self.medians.update({s: statistics.median(v) for s, v in samples.items()})
+
+    def _model(self) -> CostModel:
+        points: dict[int, float] = {}
+        for (b, t), s in self.medians.items():
+            points[b * t] = min(points.get(b * t, float("inf")), s)
+        # A forward over more tokens never costs less: a slow spell during one sample must not make a larger
+        # forward look cheaper than a smaller one (the lower envelope from above).
+        lowest = float("inf")
+        for t in sorted(points, reverse=True):
+            lowest = points[t] = min(points[t], lowest)
+        if self.flat:
+            points = dict.fromkeys(self.ts, points[1])
+        proposer = self.proposer
+        draft = proposer.step_cost_hint() if proposer is not None else 0.0
+        catch_up = proposer.catch_up_token_seconds() if proposer is not None and proposer.capabilities.catch_up else 0.0
+        return CostModel.from_points(points, max(points), draft_step_seconds=draft, catch_up_token_seconds=catch_up)

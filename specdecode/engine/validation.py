@@ -89,13 +89,14 @@ def available_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def check_memory(parts: list[tuple[str, int]], device: torch.device) -> None:
-    """parts: (label, bytes). Refuse before loading if the sum exceeds what is free."""
+def check_memory(parts: list[tuple[str, int]], device: torch.device,
+                 advice: str = "lower max_model_len, use a smaller dtype or a smaller draft") -> None:
+    """parts: (label, bytes). Refuse before allocating if the sum exceeds what is free."""
     need = sum(b for _, b in parts)
     have = available_bytes(device)
     if need > have:
         detail = ", ".join(f"{label} {b / 2**30:.2f} GiB" for label, b in parts)
         raise InsufficientMemoryError(
             f"need about {need / 2**30:.2f} GiB ({detail}) but only {have / 2**30:.2f} GiB is available on "
-            f"{device}; lower max_model_len, use a smaller dtype or a smaller draft"
+            f"{device}; {advice}"
         )

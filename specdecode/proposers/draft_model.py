@@ -16,6 +16,7 @@ from specdecode.engine.adaptive import CostModel
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Capabilities, Draft, ProposerDefaults, SequenceView
+from specdecode.proposers.draft_chain import ChainDraft
 from specdecode.proposers.lookup_choice import AcceptanceRate, guess_beats_draft
 from specdecode.proposers.ngram_match import ngram_match
 from specdecode.proposers.tree_growth import (
@@ -25,8 +26,26 @@ from specdecode.proposers.tree_growth import (
     level_width,
 )
 from specdecode.proposers.tree_value import TreeValue, node_selector
-from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
 from specdecode.tree import MAX_TREE_NODES
+
+
+def draft_input_ids(model: Transformer, vocab: tuple[int, int] | None, tokens: torch.Tensor) -> torch.Tensor:
+    """A token beyond the draft's rows (a padding id the target emitted, vanishingly rare) is read as id 0:
+    the draft's guesses after it get worse, never the output."""
+    if vocab is None:
+        return tokens
+    return tokens.masked_fill(tokens >= model.config.vocab_size, 0)
+
+
+def draft_logits(model: Transformer, vocab: tuple[int, int] | None, hidden: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> fp32 logits over the target's ids [..., V] (-inf on the target's rows the draft lacks)."""
+    logits = model.compute_logits(hidden)
+    if vocab is None:
+        return logits
+    real, rows = vocab
+    out = logits.new_full((*logits.shape[:-1], rows), float("-inf"))
+    out[..., :real] = logits[..., :real]
+    return out
 
 
 class DraftModelProposer(ProposerDefaults):
@@ -122,21 +141,10 @@ class DraftModelProposer(ProposerDefaults):
         return self._logits(hidden[0, -1:] if last_only else hidden[0])
 
     def _in_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """A token beyond the draft's rows (a padding id the target emitted, vanishingly rare) is read as id 0:
-        the draft's guesses after it get worse, never the output."""
-        if self.vocab is None:
-            return tokens
-        return tokens.masked_fill(tokens >= self.model.config.vocab_size, 0)
+        return draft_input_ids(self.model, self.vocab, tokens)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[m, D] -> fp32 logits over the target's ids [m, V]."""
-        logits = self.model.compute_logits(hidden)
-        if self.vocab is None:
-            return logits
-        real, rows = self.vocab
-        out = logits.new_full((*logits.shape[:-1], rows), float("-inf"))
-        out[..., :real] = logits[..., :real]
-        return out
+        return draft_logits(self.model, self.vocab, hidden)
 
     def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
         self._guessed, self._proposed = False, 0
@@ -156,87 +164,24 @@ class DraftModelProposer(ProposerDefaults):
         return draft
 
     def _propose_chain(self, seq: SequenceView, k: int) -> Draft:
-        """k tokens drafted one after another, as the draft model alone would draft them.
-
-        With `prompt_lookup`, each forward also carries a guess of what the draft will pick next: the
-        continuation of the latest earlier occurrence of the suffix (prompt lookup). One forward over
-        [token, guess...] gives the draft's logits after every guessed token; the guess holds as long as
-        the draft picks its tokens, so an accepted run of g guesses costs one forward instead of g. The
-        tokens (and, sampling, the uniforms drawn and the probabilities) are those of the plain loop, up
-        to the float rounding of a wider forward: a wrong guess only wastes rows of a forward. Penalties
-        keep the plain loop (their counts change with every drafted token).
-        """
-        params = seq.params
+        """k tokens drafted one after another, as the draft model alone would draft them (`ChainDraft`;
+        with `prompt_lookup`, a forward checks a guess of the next tokens too)."""
         logits = self._feed(seq.token_ids[self.num_cached :])  # [V] after the newest token
         if logits is None:  # cannot happen once begin() ran; keeps the invariant explicit
             raise RuntimeError("draft cache is ahead of the sequence")
-        stochastic = not params.greedy
-        counts = seq.output_counts
-        lookup = self.prompt_lookup if counts is None else None
-        tokens: list[int] = []
-        probs_rows: list[torch.Tensor] = []
-
-        matcher = seq.matcher
-        consumed = 0
-
-        def pick(row: torch.Tensor) -> int:
-            """The draft's next token from its logits row [V] (one uniform drawn when sampling); under a
-            grammar, from the tokens it allows (any q is lossless; one that follows the grammar is kept)."""
-            nonlocal consumed
-            if matcher is not None:
-                allowed = matcher.allowed().to(row.device)  # [V]
-                row = row[: allowed.shape[0]].masked_fill(~allowed[: row.shape[0]], float("-inf"))
-            token = _pick(row)
-            if matcher is not None and matcher.consume(token):
-                consumed += 1
-            return token
-
-        def _pick(row: torch.Tensor) -> int:
-            if params.raw_argmax:
-                return int(row.argmax())
-            row_counts = None
-            if counts is not None:
-                # Position i sees the draft tokens before it as output, as the target will.
-                row_counts = block_output_counts(counts, torch.tensor(tokens, dtype=torch.long))[-1]
-            probs = logits_to_probs(row, params, row_counts, seq.prompt_mask)  # [V]
-            if not stochastic:
-                return int(probs.argmax())
-            probs_rows.append(probs)
-            return int(sample_from_probs(probs, draw_uniforms(1, seq.generator)[0]))
-
+        chain = ChainDraft(seq, k, self.prompt_lookup, self.guess_rate)
         try:
-            return self._draft_chain(seq, k, logits, tokens, probs_rows, pick, lookup, stochastic)
+            chain.pick(logits)
+            while not chain.done:
+                start = self.num_cached
+                rows = self._feed_rows(chain.next_feed())  # [1 + len(guess), V]; row i follows fed[: i + 1]
+                assert rows is not None
+                # Only the fed tokens the draft agreed with stay; rows past them were a wrong guess.
+                self.num_cached = start + chain.take(rows)
+                self.cache.set_length(0, self.num_cached)
         finally:
-            if matcher is not None:
-                matcher.rollback(consumed)
-
-    def _draft_chain(self, seq: SequenceView, k: int, logits: torch.Tensor, tokens: list[int],
-                     probs_rows: list[torch.Tensor], pick: Callable[[torch.Tensor], int],
-                     lookup: tuple[int, int] | None, stochastic: bool) -> Draft:
-        tokens.append(pick(logits))
-        while len(tokens) < k:
-            guess = ngram_match(seq.token_ids + tokens, *lookup, k - len(tokens)) if lookup else []
-            fed = [tokens[-1], *guess]
-            start = self.num_cached
-            rows = self._feed_rows(fed)  # [1 + len(guess), V]; row i follows fed[: i + 1]
-            assert rows is not None
-            used = 0
-            while True:
-                tokens.append(pick(rows[used]))
-                if used == len(guess):
-                    if guess:
-                        self.guess_rate.observe(used, used)  # every guessed token agreed
-                    break
-                agreed = tokens[-1] == guess[used]
-                if not agreed or len(tokens) == k:
-                    # The draft judged the guess (free evidence of how good guesses are right now).
-                    self.guess_rate.observe(used + 1, used + agreed)
-                    break
-                used += 1
-            # Only fed[: used + 1] agree with the drafted tokens; rows past them were a wrong guess.
-            self.num_cached = start + used + 1
-            self.cache.set_length(0, self.num_cached)
-        return Draft(tokens, torch.stack(probs_rows) if stochastic else None)
+            chain.rollback()  # the grammar's matcher stands where it stood, even if drafting failed
+        return chain.draft()
 
     def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
         if self.tree_value is not None and own_accepted is not None:

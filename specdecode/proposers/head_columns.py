@@ -23,9 +23,11 @@ class HeadColumns:
             if ids.numel():
                 self.token_map, self.rows = torch.cat([self.head.d2t, ids]), rows
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., D] -> fp32 logits over the columns [..., Vd + m]."""
-        small = self.head.draft_logits(hidden)
+    def logits(self, hidden: torch.Tensor, small: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., D] -> fp32 logits over the columns [..., Vd + m]. `small`: the draft vocabulary's logits of
+        `hidden`, when a batch proposer computed every row's in one product."""
+        if small is None:
+            small = self.head.draft_logits(hidden)
         if self.rows is None:
             return small
         extra = (hidden.to(self.rows.dtype) @ self.rows.T).float()

@@ -46,7 +46,8 @@ class RowProposers:
         return [self.rows[r.key].propose(r.seq, r.k, r.node_budget) for r in rows]
 
     def observe_hidden(self, key: int, hidden: torch.Tensor) -> None:
-        self.rows[key].observe_hidden(hidden)
+        if key in self.rows:  # a row that never drafts (k = 0 asked) has no proposer
+            self.rows[key].observe_hidden(hidden)
 
     def on_verified(self, key: int, seq: SequenceView, num_accepted: int, own_accepted: int) -> None:
         self.rows[key].on_verified(seq, num_accepted, own_accepted)

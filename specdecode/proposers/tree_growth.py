@@ -63,6 +63,91 @@ class TreeLevel:
     mask: torch.Tensor  # [m, base + num_nodes] bool: the prefix and each node's ancestors
 
 
+class TreeGrower:
+    """One tree grown level by level, driven from outside: `next_level` adds a level's nodes and returns them
+    for a forward (None when the tree is done), `expanded` takes that forward's logits at those nodes. A batch
+    proposer drives one grower per row and runs every row's level in one forward.
+
+    `base` = entries of the proposer's cache before the tree; the root sits at slot base - 1. `select`, given
+    the nodes' cumulative draft probabilities in descending order, returns how many to verify; the tree is
+    cut to those (see `prune_to_best`)."""
+
+    def __init__(
+        self,
+        root_logits: torch.Tensor,  # [V] logits for the first draft position
+        depth: int,
+        width: int,
+        branching: int,
+        base: int,
+        token_map: torch.Tensor | None = None,  # [V] logit column -> token id (a head's draft vocabulary)
+        select: Callable[[list[float]], int] | None = None,
+    ) -> None:
+        self.depth, self.width, self.branching, self.base = depth, width, branching, base
+        self.token_map, self.select = token_map, select
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.ancestors: dict[int, list[int]] = {0: []}  # tree index -> tree indices of its path (root excluded)
+        self.frontier = [(0, 0.0, root_logits)]  # (tree index, cumulative log-prob, logits at that node)
+        self.level = 0
+        self.pending: list[tuple[int, float]] = []  # (tree index, score) of the nodes awaiting `expanded`
+
+    def next_level(self) -> TreeLevel | None:
+        """Add the next level's nodes; the level to run through the proposer, or None when the tree is done."""
+        if self.level >= self.depth or not self.frontier:
+            return None
+        level, tokens, parents = self.level, self.tokens, self.parents
+        self.level += 1
+        cands: list[tuple[float, int, int]] = []
+        for idx, score, lg in self.frontier:
+            top = torch.log_softmax(lg.float(), -1).topk(self.branching)
+            toks = (self.token_map[top.indices] if self.token_map is not None else top.indices).tolist()
+            cands += [(score + lp, idx, t) for lp, t in zip(top.values.tolist(), toks, strict=True)
+                      if lp > float("-inf")]
+        self.frontier = []
+        room = MAX_TREE_NODES - len(tokens)
+        cands = sorted(cands, key=lambda c: -c[0])[: min(self.width, room)]
+        if not cands:
+            return None
+        new: list[tuple[int, float]] = []
+        for score, parent, tok in cands:
+            tokens.append(tok)
+            parents.append(parent)
+            self.scores.append(score)
+            idx = len(tokens)
+            self.ancestors[idx] = [*self.ancestors[parent], idx]
+            new.append((idx, score))
+        if level + 1 == self.depth:
+            return None
+        base = self.base
+        mask = torch.zeros(len(new), base + len(tokens), dtype=torch.bool)
+        mask[:, :base] = True
+        for row, (idx, _) in enumerate(new):
+            mask[row, [base - 1 + a for a in self.ancestors[idx]]] = True
+        nodes = [idx for idx, _ in new]
+        self.pending = new
+        return TreeLevel(
+            level=level,
+            nodes=nodes,
+            parents=[parents[idx - 1] for idx in nodes],
+            tokens=torch.tensor([tokens[idx - 1] for idx in nodes]),
+            positions=torch.tensor([base - 1 + len(self.ancestors[idx]) for idx in nodes]),
+            slots=torch.tensor([base - 1 + idx for idx in nodes]),
+            mask=mask,
+        )
+
+    def expanded(self, node_logits: torch.Tensor) -> None:
+        """The logits [m, V] at the nodes of the level `next_level` returned."""
+        self.frontier = [(idx, score, node_logits[row]) for row, (idx, score) in enumerate(self.pending)]
+        self.pending = []
+
+    def draft(self) -> Draft:
+        tokens, parents = self.tokens, self.parents
+        if self.select is not None and len(tokens) > 1:
+            tokens, parents = prune_to_best(tokens, parents, self.scores, self.select)
+        return Draft(list(tokens), None, list(parents))
+
+
 def grow_tree(
     root_logits: torch.Tensor,  # [V] logits for the first draft position
     depth: int,
@@ -73,55 +158,12 @@ def grow_tree(
     token_map: torch.Tensor | None = None,  # [V] logit column -> token id (a head's draft vocabulary)
     select: Callable[[list[float]], int] | None = None,
 ) -> Draft:
-    """`base` = entries of the proposer's cache before the tree; the root sits at slot base - 1.
-
-    `select`, given the nodes' cumulative draft probabilities in descending order, returns how many
-    to verify; the tree is cut to those (see `prune_to_best`)."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    scores: list[float] = []
-    ancestors: dict[int, list[int]] = {0: []}  # tree index -> tree indices of its path (root excluded)
-    frontier = [(0, 0.0, root_logits)]  # (tree index, cumulative log-prob, logits at that node)
-    for level in range(depth):
-        cands: list[tuple[float, int, int]] = []
-        for idx, score, lg in frontier:
-            top = torch.log_softmax(lg.float(), -1).topk(branching)
-            toks = (token_map[top.indices] if token_map is not None else top.indices).tolist()
-            cands += [(score + lp, idx, t) for lp, t in zip(top.values.tolist(), toks, strict=True)
-                      if lp > float("-inf")]
-        room = MAX_TREE_NODES - len(tokens)
-        cands = sorted(cands, key=lambda c: -c[0])[: min(width, room)]
-        if not cands:
-            break
-        new: list[tuple[int, float]] = []
-        for score, parent, tok in cands:
-            tokens.append(tok)
-            parents.append(parent)
-            scores.append(score)
-            idx = len(tokens)
-            ancestors[idx] = [*ancestors[parent], idx]
-            new.append((idx, score))
-        if level + 1 == depth:
-            break
-        mask = torch.zeros(len(new), base + len(tokens), dtype=torch.bool)
-        mask[:, :base] = True
-        for row, (idx, _) in enumerate(new):
-            mask[row, [base - 1 + a for a in ancestors[idx]]] = True
-        nodes = [idx for idx, _ in new]
-        step = TreeLevel(
-            level=level,
-            nodes=nodes,
-            parents=[parents[idx - 1] for idx in nodes],
-            tokens=torch.tensor([tokens[idx - 1] for idx in nodes]),
-            positions=torch.tensor([base - 1 + len(ancestors[idx]) for idx in nodes]),
-            slots=torch.tensor([base - 1 + idx for idx in nodes]),
-            mask=mask,
-        )
-        node_logits = expand(step)
-        frontier = [(idx, score, node_logits[row]) for row, (idx, score) in enumerate(new)]
-    if select is not None and len(tokens) > 1:
-        tokens, parents = prune_to_best(tokens, parents, scores, select)
-    return Draft(tokens, None, parents)
+    """One row's tree (see `TreeGrower`), each level expanded by `expand` (one forward with tree attention for
+    model-like proposers, a table lookup for Medusa)."""
+    grower = TreeGrower(root_logits, depth, width, branching, base, token_map, select)
+    while (level := grower.next_level()) is not None:
+        grower.expanded(expand(level))
+    return grower.draft()
 
 
 def prune_to_best(tokens: list[int], parents: list[int], scores: list[float],

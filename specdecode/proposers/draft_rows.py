@@ -1,0 +1,238 @@
+"""The draft model as a batch proposer: every drafting row of the batch in one draft forward per depth.
+
+The draft's KV cache has one row per running request (`RowCache`). A step catches every drafting row up
+(the prompt on its first draft, everything since it last drafted after a pause, else just the newest token)
+in one padded forward (`ragged.pack`), whose last position per row gives the first draft token; then chains
+advance every row by one forward per depth (rows riding a correct prompt-lookup guess finish in fewer), and
+trees grow every row's next level in one forward with tree attention. Each row keeps its own acceptance
+rates, lookup-or-draft choice and tree calibration, so its drafts do not depend on which rows share its batch
+(up to the float rounding of a wider forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.engine.adaptive import CostModel
+from specdecode.model.transformer import Transformer
+from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
+from specdecode.proposers.draft_chain import ChainDraft
+from specdecode.proposers.draft_model import DraftModelProposer, draft_input_ids, draft_logits
+from specdecode.proposers.lookup_choice import AcceptanceRate, guess_beats_draft
+from specdecode.proposers.ngram_match import ngram_match
+from specdecode.proposers.ragged import Packed, RowInput, forward_rows
+from specdecode.proposers.row_cache import RowCache
+from specdecode.proposers.tree_growth import TreeGrower, level_width
+from specdecode.proposers.tree_value import TreeValue, node_selector
+from specdecode.tree import MAX_TREE_NODES
+
+
+@dataclass
+class _Row:
+    """One request's drafting state."""
+
+    slot: int
+    """Its row of the draft's cache."""
+    num_cached: int = 0
+    """Tokens of the sequence whose K/V are valid in that row (slots [0, num_cached))."""
+    guess_rate: AcceptanceRate = field(default_factory=AcceptanceRate)
+    draft_rate: AcceptanceRate = field(default_factory=AcceptanceRate)
+    tree_value: TreeValue | None = None
+    guessed: bool = False
+    """The last proposal was a bare lookup guess (the draft model did not run)."""
+    proposed: int = 0
+    """Tokens of the last chain proposal."""
+
+
+class DraftModelRows:
+    """A `BatchProposer` drafting with a draft model for every row at once (see the module doc)."""
+
+    name = "draft"
+
+    def __init__(self, model: Transformer, max_len: int, tree_width: int = 1, tree_branching: int = 2,
+                 prompt_lookup: tuple[int, int] | None = None, vocab: tuple[int, int] | None = None,
+                 max_rows: int | None = None) -> None:
+        self.model, self.vocab, self.prompt_lookup = model, vocab, prompt_lookup
+        self.tree_width, self.tree_branching = tree_width, tree_branching
+        self.capabilities = Capabilities(tree_width=tree_width, catch_up=True)
+        self.probe = DraftModelProposer(model, max_len, tree_width, tree_branching, prompt_lookup, vocab)
+        """Measures the draft's step and catch-up costs (once, on a cache of its own freed after)."""
+        # One slot past the largest tree: a padding query writes past a full tree's nodes.
+        self.cache = RowCache(lambda rows: model.new_cache(rows, max_len + MAX_TREE_NODES + 1), max_rows)
+        self.rows: dict[int, _Row] = {}
+        self.target_seconds = None
+        self.forwards = 0
+        """Batched draft forwards so far."""
+
+    # ---- the protocol ----------------------------------------------------------------------------------
+
+    def configure(self, cost: CostModel) -> None:
+        self.target_seconds = cost.target_forward_seconds
+        for row in self.rows.values():
+            row.tree_value = self._tree_value()
+
+    def _tree_value(self) -> TreeValue | None:
+        if not self.capabilities.trees or self.target_seconds is None:
+            return None
+        return TreeValue(self.target_seconds)
+
+    def begin(self, key: int, seq: SequenceView) -> None:
+        # Nothing is fed yet: the first propose catches the row up on the prompt, so a request that never
+        # drafts never pays for the draft's prefill.
+        self.rows[key] = _Row(self.cache.take(), tree_value=self._tree_value())
+
+    def release(self, key: int) -> None:
+        row = self.rows.pop(key, None)
+        if row is not None:
+            self.cache.give(row.slot)
+
+    def observe_hidden(self, key: int, hidden: torch.Tensor) -> None:
+        pass
+
+    def on_verified(self, key: int, seq: SequenceView, num_accepted: int, own_accepted: int) -> None:
+        row = self.rows[key]
+        if row.tree_value is not None:
+            row.tree_value.observe(own_accepted)
+        if row.proposed:  # a chain (trees and k = 0 steps say nothing about either rate)
+            (row.guess_rate if row.guessed else row.draft_rate).observe(row.proposed, num_accepted)
+        # The cache holds the prefix plus the first k-1 draft tokens; keep only accepted ones.
+        row.num_cached = min(row.num_cached, len(seq.token_ids) - 1)
+
+    def catch_up_tokens(self, key: int, seq: SequenceView) -> int:
+        lag = len(seq.token_ids) - self.rows[key].num_cached
+        return 0 if lag <= 1 else lag
+
+    def step_cost_hint(self) -> float:
+        seconds = self.probe.step_cost_hint()
+        self.probe._cache = None  # measured once: its cache is not needed again
+        return seconds
+
+    def catch_up_token_seconds(self) -> float:
+        self.step_cost_hint()
+        return self.probe._catch_up_cost
+
+    @torch.inference_mode()
+    def propose(self, asks: list[ProposeRow]) -> list[Draft]:
+        drafts = [Draft() for _ in asks]
+        work = []
+        for i, ask in enumerate(asks):
+            row = self.rows[ask.key]
+            row.guessed, row.proposed = False, 0
+            if ask.k <= 0:
+                continue
+            guess = self._winning_guess(row, ask)
+            if guess:  # a point mass, as from the n-gram proposer; the draft catches up on it when next used
+                row.guessed, row.proposed = True, len(guess)
+                drafts[i] = Draft(guess)
+            else:
+                work.append(i)
+        if not work:
+            return drafts
+        # Catch-up of every drafting row in one forward: the logits after each row's newest token.
+        feeds = {}
+        for i in work:
+            row, ids = self.rows[asks[i].key], asks[i].seq.token_ids
+            if row.num_cached >= len(ids):  # cannot happen once begin() ran; keeps the invariant explicit
+                raise RuntimeError("draft cache is ahead of the sequence")
+            feeds[row.slot] = _chain_input(ids[row.num_cached :], row.num_cached)
+        first = self._forward(feeds, last_only=True)
+        for i in work:
+            row = self.rows[asks[i].key]
+            row.num_cached = len(asks[i].seq.token_ids)
+        made = self._trees(asks, work, first) if self.capabilities.trees else self._chains(asks, work, first)
+        for i, draft in made.items():
+            drafts[i] = draft
+        for i in work:
+            row = self.rows[asks[i].key]
+            self.cache.cache.set_length(row.slot, row.num_cached)  # type: ignore[union-attr]
+        return drafts
+
+    # ---- drafting ----------------------------------------------------------------------------------------
+
+    def _winning_guess(self, row: _Row, ask: ProposeRow) -> list[int]:
+        """The lookup guess when it promises more tokens per second than drafting (chains only), else []."""
+        if (self.capabilities.trees or not self.prompt_lookup or self.target_seconds is None
+                or ask.seq.output_counts is not None):
+            return []
+        guess = ngram_match(ask.seq.token_ids, *self.prompt_lookup, ask.k)
+        wins = guess_beats_draft(len(guess), ask.k, row.guess_rate.value, row.draft_rate.value, self.target_seconds,
+                                 self.step_cost_hint())
+        return guess if wins else []
+
+    def _chains(self, asks: list[ProposeRow], work: list[int], first: dict[int, torch.Tensor]) -> dict[int, Draft]:
+        """Every row's chain, one forward per depth over the rows still drafting."""
+        chains: dict[int, ChainDraft] = {}
+        try:
+            for i in work:
+                row = self.rows[asks[i].key]
+                chains[i] = ChainDraft(asks[i].seq, asks[i].k, self.prompt_lookup, row.guess_rate)
+                chains[i].pick(first[row.slot][-1])
+            while active := [i for i in work if not chains[i].done]:
+                feeds, starts = {}, {}
+                for i in active:
+                    row = self.rows[asks[i].key]
+                    starts[i] = row.num_cached
+                    feeds[row.slot] = _chain_input(chains[i].next_feed(), row.num_cached)
+                out = self._forward(feeds)
+                for i in active:
+                    row = self.rows[asks[i].key]
+                    # Only the fed tokens the draft agreed with stay; entries past them were a wrong guess.
+                    row.num_cached = starts[i] + chains[i].take(out[row.slot])
+        finally:
+            for chain in chains.values():  # grammar matchers stand where they stood, even if drafting failed
+                chain.rollback()
+        made = {i: chains[i].draft() for i in work}
+        for i in work:
+            self.rows[asks[i].key].proposed = len(made[i])
+        return made
+
+    def _trees(self, asks: list[ProposeRow], work: list[int], first: dict[int, torch.Tensor]) -> dict[int, Draft]:
+        """Every row's tree, one forward with tree attention per level over the rows still growing. Tree
+        entries past each row's prefix are scratch: the next propose re-feeds what was accepted."""
+        growers = {}
+        for i in work:
+            ask, row = asks[i], self.rows[asks[i].key]
+            select = node_selector(row.tree_value, self.tree_width, lambda k=ask.k: k * self.step_cost_hint(),
+                                   ask.node_budget)
+            growers[i] = TreeGrower(first[row.slot][-1], ask.k, level_width(self.tree_width, ask.node_budget, ask.k),
+                                    self.tree_branching, row.num_cached, select=select)
+        levels = {i: growers[i].next_level() for i in work}
+        while active := [i for i in work if levels[i] is not None]:
+            feeds = {}
+            for i in active:
+                level = levels[i]
+                assert level is not None
+                feeds[self.rows[asks[i].key].slot] = RowInput(level.tokens, level.positions, level.slots, level.mask)
+            out = self._forward(feeds)
+            for i in active:
+                growers[i].expanded(out[self.rows[asks[i].key].slot])
+                levels[i] = growers[i].next_level()
+        return {i: growers[i].draft() for i in work}
+
+    def _forward(self, feeds: dict[int, RowInput], last_only: bool = False) -> dict[int, torch.Tensor]:
+        """One draft forward over every cache row in use (rows without a feed only pad; a long catch-up runs
+        alone): fp32 logits over the target's ids per fed row, [m, V] after each fed token or [1, V] after the
+        last."""
+        cache = self.cache.cache
+        assert cache is not None
+        dev, model = self.model.device, self.model
+
+        def run(lo: int, hi: int, packed: Packed) -> torch.Tensor:
+            self.forwards += 1
+            return model(draft_input_ids(model, self.vocab, packed.tokens.to(dev)), packed.positions.to(dev),
+                         cache.rows(lo, hi), slots=packed.slots.to(dev), attn_mask=packed.mask.to(dev))  # [B, M, D]
+
+        valid = {row.slot: row.num_cached for row in self.rows.values()}
+        span = self.cache.span
+        hidden = forward_rows(feeds, span, [valid.get(r, 0) for r in range(span)], run)
+        picked = {r: h[-1:] if last_only else h for r, h in hidden.items()}
+        logits = draft_logits(model, self.vocab, torch.cat(list(picked.values())))  # [N, V]
+        return dict(zip(picked, logits.split([h.shape[0] for h in picked.values()]), strict=True))
+
+
+def _chain_input(ids: list[int], start: int) -> RowInput:
+    """Tokens appended to a row from slot `start` on (slot = position, causal)."""
+    span = list(range(start, start + len(ids)))
+    return RowInput(ids, span, span)

@@ -1,0 +1,197 @@
+"""Batch-first drafting: one batched proposal equals each row's own proposal.
+
+Tiny random models in fp32; rows differ in context length, draft length and how far behind their drafting
+state is (a fresh row catches up on its whole prompt while another feeds one token), and a second step
+follows a partial acceptance. Same tokens (and tree shapes), probabilities allclose.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.heads.persist import new_head
+from specdecode.model.config import ModelConfig
+from specdecode.model.transformer import Transformer
+from specdecode.proposers.base import Draft, ProposeRow, SequenceView
+from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.draft_rows import DraftModelRows
+from specdecode.proposers.eagle_rows import EagleRows
+from specdecode.proposers.heads import EagleProposer
+from specdecode.proposers.ragged import RowInput, pack
+from specdecode.sampling import SamplingParams
+
+VOCAB = 48
+MAX_LEN = 96
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _model(seed: int) -> Transformer:
+    cfg = ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+                      max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False)
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.6)
+    return model.fuse_projections().eval()
+
+
+DRAFT = _model(3)
+
+
+def _contexts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    lengths = [5, 23, 11, 40, 2]
+    out = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    out[2] = [4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6]  # a loop: lookup guesses ride along
+    return out
+
+
+def _views(temperature: float) -> list[SequenceView]:
+    params = SamplingParams(temperature=temperature, top_k=12 if temperature else -1)
+    return [SequenceView(list(c), max(1, len(c) - 3), params, torch.Generator().manual_seed(i))
+            for i, c in enumerate(_contexts())]
+
+
+def _same(a: Draft, b: Draft) -> None:
+    assert a.tokens == b.tokens and a.parents == b.parents
+    assert (a.probs is None) == (b.probs is None)
+    if a.probs is not None:
+        torch.testing.assert_close(a.probs, b.probs, rtol=1e-4, atol=1e-6)
+
+
+def _two_steps(propose, verified, views: list[SequenceView], ks: list[int]) -> list[list[Draft]]:  # noqa: ANN001
+    """Two proposals per row; between them each row keeps two drafts and gets one new token."""
+    first = propose(views, ks)
+    for i, (v, d) in enumerate(zip(views, first, strict=True)):
+        kept = min(2, len(d.tokens)) if d.parents is None else 0
+        v.token_ids += d.tokens[:kept] + [(7 * i + 1) % VOCAB]
+        verified(i, v, kept)
+    return [first, propose(views, ks)]
+
+
+def _cheap_guesses(proposer) -> None:  # noqa: ANN001
+    """Costs under which a row skips the draft model when its lookup guess pays (the lookup-or-draft choice)."""
+    proposer.target_seconds = lambda t: 0.1
+    (proposer.probe if isinstance(proposer, DraftModelRows) else proposer)._cost = 0.02
+
+
+@pytest.mark.parametrize(("temperature", "tree_width", "lookup", "choose"),
+                         [(0.0, 1, None, False), (1.0, 1, None, False), (0.0, 1, (1, 3), False),
+                          (1.0, 1, (1, 3), False), (0.0, 1, (1, 3), True), (0.0, 2, None, False),
+                          (0.0, 0, None, False)],
+                         ids=["greedy", "sampled", "greedy-lookup", "sampled-lookup", "lookup-or-draft", "tree",
+                              "dynamic-tree"])
+def test_batched_draft_model_equals_per_row(temperature: float, tree_width: int, lookup, choose: bool) -> None:  # noqa: ANN001
+    ks = [3, 4, 5, 2, 4]
+    budget = 10
+    singles = [DraftModelProposer(DRAFT, MAX_LEN, tree_width, 2, lookup) for _ in ks]
+    if choose:
+        for p in singles:
+            _cheap_guesses(p)
+    views = _views(temperature)
+    for p, v in zip(singles, views, strict=True):
+        p.begin(v)
+
+    def one(vs: list[SequenceView], ks: list[int]) -> list[Draft]:
+        return [p.propose(v, k, budget) for p, v, k in zip(singles, vs, ks, strict=True)]
+
+    calls = []
+    hook = DRAFT.register_forward_hook(lambda *_: calls.append(1))
+    ref = _two_steps(one, lambda i, v, n: singles[i].on_verified(v, n, n), views, ks)
+    per_row_forwards, calls[:] = len(calls), []
+
+    batched = DraftModelRows(DRAFT, MAX_LEN, tree_width, 2, lookup)
+    if choose:
+        _cheap_guesses(batched)
+    views = _views(temperature)
+    for key, v in enumerate(views):
+        batched.begin(key, v)
+
+    guessed = []
+
+    def together(vs: list[SequenceView], ks: list[int]) -> list[Draft]:
+        out = batched.propose([ProposeRow(i, v, k, budget) for i, (v, k) in enumerate(zip(vs, ks, strict=True))])
+        guessed.append([batched.rows[i].guessed for i in range(len(vs))])
+        return out
+
+    got = _two_steps(together, lambda i, v, n: batched.on_verified(i, v, n, n), views, ks)
+    hook.remove()
+    for step_ref, step_got in zip(ref, got, strict=True):
+        for a, b in zip(step_ref, step_got, strict=True):
+            _same(a, b)
+    assert len(calls) == batched.forwards <= per_row_forwards / 2  # one forward serves every row
+    if choose:  # the looping row proposed its guess alone while the others drafted
+        assert any(guessed[0]) and not all(guessed[0]), guessed
+
+
+def test_rows_join_and_leave_between_steps() -> None:
+    """A released row's cache row is reused; a row drafting alone gives what it gives in a batch."""
+    views = _views(0.0)
+    batched = DraftModelRows(DRAFT, MAX_LEN)
+    for key in range(3):
+        batched.begin(key, views[key])
+    batched.propose([ProposeRow(key, views[key], 3, 3) for key in range(3)])
+    batched.release(1)
+    batched.begin(7, views[3])
+    assert batched.rows[7].slot == 1
+    got = batched.propose([ProposeRow(7, views[3], 4, 4)])
+    alone = DraftModelProposer(DRAFT, MAX_LEN)
+    alone.begin(views[3])
+    _same(alone.propose(views[3], 4), got[0])
+
+
+def test_pack_pads_to_scratch_slots() -> None:
+    packed = pack({0: RowInput([5, 6, 7], [2, 3, 4], [2, 3, 4]), 2: RowInput([9], [0], [0])}, 3, [0, 4, 0])
+    assert packed.lengths == [3, 0, 1]
+    assert packed.slots.tolist() == [[2, 3, 4], [4, 4, 4], [0, 1, 1]]
+    assert packed.mask.shape == (3, 3, 6)
+    assert packed.mask[0, 2].tolist() == [True] * 5 + [False]  # causal: slot 4 sees slots 0..4
+    assert packed.mask[1, 0].nonzero().flatten().tolist() == [4]  # an idle row's padding sees its own slot
+    assert packed.mask[2, 1].nonzero().flatten().tolist() == [1]
+
+
+@pytest.mark.parametrize("tree_width", [0, 1, 3], ids=["dynamic-tree", "chain", "tree"])
+def test_batched_eagle_equals_per_row(tree_width: int) -> None:
+    """Heads read the target's features: random ones per position, the same for both proposers."""
+    target = _model(4)
+    head = new_head(target, "eagle", torch.arange(0, VOCAB, 2), seed=2)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(3.0)  # peaked logits: no near-ties between a wide and a narrow forward
+    gen = torch.Generator().manual_seed(1)
+    feats = torch.randn(MAX_LEN, 32, generator=gen)  # [position, D]
+    ks, budget = [3, 4, 5, 2, 4], 12
+
+    def run(propose, begin, observe, verified) -> list[list[Draft]]:  # noqa: ANN001
+        views = _views(0.0)
+        for i, v in enumerate(views):
+            begin(i, v)
+            observe(i, feats[: len(v.token_ids) - 1])  # the prefill's features (all but the pending token)
+        first = propose(views)
+        for i, (v, d) in enumerate(zip(views, first, strict=True)):
+            kept = [t for t, p in zip(d.tokens, d.parents or [], strict=True) if p == 0][:1]
+            n = len(v.token_ids)
+            v.token_ids += kept + [(5 * i + 2) % VOCAB]
+            observe(i, feats[n - 1 : n + len(kept)])
+            verified(i, v, len(kept))
+        return [first, propose(views)]
+
+    singles = [EagleProposer(head, MAX_LEN, tree_width, 3) for _ in ks]
+    ref = run(lambda vs: [p.propose(v, k, budget) for p, v, k in zip(singles, vs, ks, strict=True)],
+              lambda i, v: singles[i].begin(v), lambda i, h: singles[i].observe_hidden(h),
+              lambda i, v, n: singles[i].on_verified(v, n, n))
+    rows = EagleRows(head, MAX_LEN, tree_width, 3)
+    got = run(lambda vs: rows.propose([ProposeRow(i, v, k, budget) for i, (v, k) in enumerate(zip(vs, ks, strict=True))
+                                       ]),
+              rows.begin, rows.observe_hidden, lambda i, v, n: rows.on_verified(i, v, n, n))
+    for step_ref, step_got in zip(ref, got, strict=True):
+        for a, b in zip(step_ref, step_got, strict=True):
+            _same(a, b)
+    assert any(len(d.tokens) > 1 for d in got[1])
