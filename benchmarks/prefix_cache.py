@@ -18,7 +18,7 @@ Example (the lead's run on the Qwen pair)::
 Smoke run::
 
     python benchmarks/prefix_cache.py --model smollm2-135m-instruct --conversations 2 --turn-tokens 16 \\
-        --shared-requests 4 --system-tokens 200 --long-tokens 400 --stream-tokens 48 --chunk 32 --out /tmp/pc
+        --shared-requests 4 --system-tokens 200 --long-tokens 400 --stream-tokens 48 --chunk 32 --out bench-out/pc-smoke
 """
 
 from __future__ import annotations

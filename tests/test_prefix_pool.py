@@ -49,6 +49,18 @@ def test_features_are_required_only_when_asked() -> None:
     assert len(pool.match(list(range(100, 108)), 8, need_features=True)) == 2
 
 
+def test_a_row_with_features_completes_blocks_pooled_without() -> None:
+    """A plain request pools a prompt first; a head-drafting request with the same prompt must still find it
+    later, once a feature-carrying row has pooled it again (else every such request misses for good)."""
+    pool = PrefixCache(1 << 20, BLOCK)
+    pool.insert(list(range(8)), _reader(0.0))
+    assert pool.insert(list(range(8)), _reader(5.0)) == 0  # no features to add: nothing copied
+    pool.insert(list(range(8)), _reader(5.0, features=True), has_features=True)
+    got = pool.match(list(range(8)), 8, need_features=True)
+    assert [float(b.features[0, 0]) for b in got] == [5.0, 6.0]  # type: ignore[index]
+    assert pool.bytes_used == sum(b.nbytes for b in pool.blocks.values())
+
+
 def test_eviction_is_lru_tails_first_and_bounded() -> None:
     pool = PrefixCache(3 * BLOCK_BYTES, BLOCK)
     pool.insert(list(range(12)), _reader(0.0))  # blocks a0 a1 a2

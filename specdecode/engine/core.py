@@ -365,7 +365,7 @@ class Engine:
             features = r.features[i * size : (i + 1) * size].clone() if r.features is not None else None
             return k, v, features
 
-        pool.insert(r.seq.token_ids[:n], read)
+        pool.insert(r.seq.token_ids[:n], read, has_features=r.features is not None)
 
     def _keep_features(self, r: Running, features: torch.Tensor, at: int) -> None:
         """Record features [m, F] of positions at.. for pooling (prefix cache on, a feature-reading proposer) and

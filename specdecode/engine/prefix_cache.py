@@ -81,10 +81,12 @@ class PrefixCache:
         with self._lock:
             return self._match(tokens, limit, need_features)
 
-    def insert(self, tokens: list[int], read: BlockReader) -> int:
-        """Pool the full blocks of `tokens` (whose K/V `read` copies out); returns the blocks added."""
+    def insert(self, tokens: list[int], read: BlockReader, has_features: bool = False) -> int:
+        """Pool the full blocks of `tokens` (whose K/V `read` copies out); returns the blocks added. With
+        `has_features`, pooled blocks that lack features (pooled by a row whose proposer reads none) get them,
+        so a later feature-reading request still matches them."""
         with self._lock:
-            return self._insert(tokens, read)
+            return self._insert(tokens, read, has_features)
 
     def clear(self) -> None:
         with self._lock:
@@ -107,11 +109,15 @@ class PrefixCache:
         self.hit_tokens += len(found) * self.block_size
         return found
 
-    def _insert(self, tokens: list[int], read: BlockReader) -> int:
+    def _insert(self, tokens: list[int], read: BlockReader, has_features: bool) -> int:
         keys = chain_hashes(tokens, self.block_size)
         added = 0
         parent = None
         for i, key in enumerate(keys):
+            old = self.blocks.get(key)
+            if old is not None and old.features is None and has_features:
+                self.blocks.pop(key)  # replaced below by the same block with its features
+                self.bytes_used -= old.nbytes
             if key not in self.blocks:
                 k, v, features = read(i)
                 block = Block(parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]), k, v, features)
