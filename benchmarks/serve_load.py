@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         url = args.url.rstrip("/")
     else:
-        proc, url = start_server(args, args.max_num_seqs or max(levels))
+        # Every level resends the same prompts: without the prefix cache, plain and speculative runs prefill
+        # alike, so the ratio measures speculation alone (benchmarks/prefix_cache.py measures the cache).
+        proc, url = start_server(args, args.max_num_seqs or max(levels), ("--no-prefix-caching",))
     try:
         model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
         for plain in (True, False):  # warm-up, excluded
