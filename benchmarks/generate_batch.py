@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdecode import LLM, SamplingParams  # noqa: E402
 from specdecode.bench.datasets import DATASETS, load_prompts  # noqa: E402
 from specdecode.bench.methods import parse_method  # noqa: E402
+from specdecode.heads.shipped import shipped_heads  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_method(name: str, args: argparse.Namespace, messages: list[list[dict[str, str]]]) -> dict[str, Any]:
-    spec = parse_method(name, args.draft)
+    spec = parse_method(name, args.draft, shipped_heads(args.model))  # eagle/medusa: the shipped head
     rows = args.max_num_seqs or len(messages)
     llm = LLM(args.model, dtype=args.dtype, speculative_config=spec.speculative_config,
               max_model_len=args.max_model_len, quantization=spec.quantization, max_num_seqs=rows)

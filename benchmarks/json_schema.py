@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdecode import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from specdecode.bench.methods import parse_method  # noqa: E402
+from specdecode.heads.shipped import shipped_heads  # noqa: E402
 
 STR = {"type": "string", "maxLength": 40}
 SCHEMAS: list[tuple[str, dict[str, Any]]] = [
@@ -81,7 +82,7 @@ def requests(n: int) -> list[tuple[list[dict[str, str]], dict[str, Any]]]:
 
 def run_method(name: str, args: argparse.Namespace, reqs: list[tuple[list[dict[str, str]], dict[str, Any]]]
                ) -> tuple[dict[str, Any], list[list[int]]]:
-    spec = parse_method(name, args.draft)
+    spec = parse_method(name, args.draft, shipped_heads(args.model))  # eagle/medusa: the shipped head
     llm = LLM(args.model, dtype=args.dtype, speculative_config=spec.speculative_config,
               max_model_len=args.max_model_len, quantization=spec.quantization, max_num_seqs=len(reqs))
     prompts = [llm.chat_prompt_ids(m) for m, _ in reqs]

@@ -125,9 +125,9 @@ COMPARE_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 def _heads_by_kind(paths: list[str], target: str) -> dict[str, str]:
     from specdecode.heads.persist import read_head_config
-    from specdecode.heads.shipped import shipped_head
+    from specdecode.heads.shipped import shipped_heads
 
-    heads = {kind: str(p) for kind in ("eagle", "medusa") if (p := shipped_head(target, kind)) is not None}
+    heads = shipped_heads(target)
     for entry in paths:
         label, _, path = entry.rpartition("=")  # LABEL=DIR names a head for methods like eagle:LABEL
         kind = read_head_config(Path(path).expanduser()).kind

@@ -16,3 +16,8 @@ def shipped_head(target: str, kind: str) -> Path | None:
     if name is None or not (SHIPPED_DIR / name / "config.json").exists():
         return None
     return SHIPPED_DIR / name
+
+
+def shipped_heads(target: str) -> dict[str, str]:
+    """Kind ("eagle", "medusa") -> the directory of the head shipped for `target`, for the kinds that have one."""
+    return {kind: str(p) for kind in ("eagle", "medusa") if (p := shipped_head(target, kind)) is not None}
