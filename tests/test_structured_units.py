@@ -65,6 +65,7 @@ HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
 TWO = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
        '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
 LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
 
 def test_parse_hermes_calls() -> None:
@@ -78,6 +79,10 @@ def test_parse_hermes_calls() -> None:
     assert parse_tool_calls(broken, "hermes") == (broken, [])
     _, calls = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {}}', "hermes")  # EOS before the tag
     assert calls == [{"name": "f", "arguments": "{}"}]
+    # An untagged call object (small Qwen models write these) is a call; other JSON answers stay text.
+    assert parse_tool_calls(BARE, "hermes") == (None, [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])
+    answer = '{"name": "Bob", "age": 3}'
+    assert parse_tool_calls(answer, "hermes") == (answer, [])
 
 
 def test_parse_llama_calls() -> None:
@@ -87,7 +92,8 @@ def test_parse_llama_calls() -> None:
 
 
 @pytest.mark.parametrize(("text", "fmt"), [(HERMES, "hermes"), (TWO, "hermes"), (LLAMA, "llama"),
-                                           ("plain text answer", "hermes"), ("plain text", "llama")])
+                                           ("plain text answer", "hermes"), ("plain text", "llama"),
+                                           (BARE, "hermes"), ('{"name": "Bob", "age": 3}', "hermes")])
 @pytest.mark.parametrize("size", [1, 3, 7])
 def test_streamed_calls_reassemble_to_the_whole_parse(text: str, fmt: str, size: int) -> None:
     stream = ToolCallStream(fmt)  # type: ignore[arg-type]

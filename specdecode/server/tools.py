@@ -3,7 +3,9 @@ enforces `required` / a named function, and parsing the model's calls out of its
 
 Two output formats: Hermes / Qwen2.5 (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, also
 used for templates that know nothing of tools, with the tools described in a system message), and
-Llama 3.x JSON (`{"name": ..., "parameters": {...}}`, for templates that render tools that way).
+Llama 3.x JSON (`{"name": ..., "parameters": {...}}`, for templates that render tools that way). Small Hermes-format
+models sometimes answer with the bare call object and no tags; an output that is exactly one such object (keys
+`name` and `arguments`/`parameters` only) is taken as a call too.
 """
 
 from __future__ import annotations
@@ -191,6 +193,21 @@ def _parse_json_calls(text: str) -> list[dict[str, str]] | None:
     return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
+def _bare_call(text: str) -> list[dict[str, str]] | None:
+    """A whole output that is one untagged call object, as small Hermes-format models write it; else None."""
+    body = text.strip()
+    if not body.startswith("{"):
+        return None
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not set(obj) <= {"name", "arguments", "parameters"} or "name" not in obj:
+        return None
+    call = _as_call(obj)
+    return [call] if call is not None else None
+
+
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 
 
@@ -212,7 +229,8 @@ def parse_tool_calls(text: str, fmt: Format) -> tuple[str | None, list[dict[str,
     content = "".join(kept)
     if calls:
         return (content.strip() or None), calls
-    return text, []
+    bare = _bare_call(text)
+    return (None, bare) if bare else (text, [])
 
 
 @dataclass
@@ -224,7 +242,8 @@ class ToolCallStream:
     buf: str = ""
     inside: bool = False
     mode: Literal["undecided", "json", "text"] = "undecided"
-    """Llama format: whether the output is a JSON call (held to the end) or text (streamed)."""
+    """Whether the output opens as a JSON object (a Llama call, or an untagged Hermes one: held to the end) or
+    as text (streamed)."""
     calls: int = 0
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
@@ -241,6 +260,21 @@ class ToolCallStream:
 
     def _hermes(self, final: bool) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
+        if self.mode == "undecided":
+            head = self.buf.lstrip()
+            if not head and not final:
+                return out
+            self.mode = "json" if head.startswith("{") else "text"
+        if self.mode == "json":  # maybe an untagged call: held whole, parsed at the end
+            if not final:
+                return out
+            self.mode = "text"
+            bare = _bare_call(self.buf)
+            if bare:
+                out.extend(("call", c) for c in bare)
+                self.calls += len(bare)
+                self.buf = ""
+                return out
         while True:
             if not self.inside:
                 i = self.buf.find(OPEN)
