@@ -124,3 +124,17 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (h / "models").mkdir(parents=True)
     monkeypatch.setenv("SPECDECODE_HOME", str(h))
     return h
+
+
+@pytest.fixture(scope="session")
+def tiny_heads(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random EAGLE and Medusa heads for the tiny llama (draft vocabulary: every other token)."""
+    from specdecode.heads.persist import new_head, save_head
+    from specdecode.model.load import load_model
+
+    target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
+    out = {}
+    for kind in ("eagle", "medusa"):
+        out[kind] = tmp_path_factory.mktemp(f"tiny_{kind}")
+        save_head(new_head(target, kind, torch.arange(0, target.config.vocab_size, 2), seed=5), out[kind])
+    return out

@@ -19,8 +19,6 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.core import Engine
-from specdecode.heads.persist import new_head, save_head
-from specdecode.model.load import load_model
 from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.proposers.eagle_rows import EagleRows
 from specdecode.proposers.rows import MedusaRows
@@ -33,16 +31,6 @@ TEXTS = ["def add(a, b):", "The quick brown fox", "x = [1, 2, 3]\nfor i in x:", 
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def heads(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
-    out = {}
-    for kind in ("eagle", "medusa"):
-        out[kind] = tmp_path_factory.mktemp(f"batch_{kind}")
-        save_head(new_head(target, kind, torch.arange(0, target.config.vocab_size, 2), seed=5), out[kind])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +78,9 @@ def _run(llm: LLM, engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("method", ["ngram", "draft-chain", "draft-tree", "medusa", "eagle-tree-lookup",
                                     "eagle-tree"])
 def test_every_method_in_batches_equals_plain(method: str, tiny_llama_dir: Path, tiny_llama_other_dir: Path,
-                                              heads: dict[str, Path], reference) -> None:  # noqa: ANN001
+                                              tiny_heads: dict[str, Path], reference) -> None:  # noqa: ANN001
     prompts, ref = reference
-    spec = _methods(tiny_llama_dir, tiny_llama_other_dir, heads)[method]
+    spec = _methods(tiny_llama_dir, tiny_llama_other_dir, tiny_heads)[method]
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
     batched = {"draft": DraftModelRows, "eagle": EagleRows, "medusa": MedusaRows}.get(spec["method"])
     assert batched is None or isinstance(llm.engine.proposer, batched)  # every row drafted in one forward a level
@@ -105,10 +93,10 @@ def test_every_method_in_batches_equals_plain(method: str, tiny_llama_dir: Path,
     assert outs == [ref[i][:12] for i in long]
 
 
-def test_trees_are_verified_in_the_batch(tiny_llama_dir: Path, heads: dict[str, Path], reference) -> None:  # noqa: ANN001
+def test_trees_are_verified_in_the_batch(tiny_llama_dir: Path, tiny_heads: dict[str, Path], reference) -> None:  # noqa: ANN001
     """Served rows draft trees (more nodes than positions), not chains."""
     prompts, ref = reference
-    spec = _methods(tiny_llama_dir, tiny_llama_dir, heads)["eagle-tree"]
+    spec = _methods(tiny_llama_dir, tiny_llama_dir, tiny_heads)["eagle-tree"]
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
     engine = llm.batch_engine(max_num_seqs=4)
     seqs = [llm.new_sequence(p, _params(n)) for p, n in zip(prompts[:4], MAX_TOKENS[:4], strict=True)]

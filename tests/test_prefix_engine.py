@@ -15,8 +15,6 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.engine.core import Engine
 from specdecode.engine.sequence import Sequence
-from specdecode.heads.persist import new_head, save_head
-from specdecode.model.load import load_model
 
 SYSTEM = list(range(3, 3 + 37))  # a shared "system prompt" of 37 tokens: two full blocks and a bit
 SUFFIXES = [[100, 101], [102, 7, 9, 11], [103], [104, 105, 106, 107, 108, 109, 110], [111, 12]]
@@ -26,16 +24,6 @@ MAX_TOKENS = [14, 9, 17, 6, 12]
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def heads(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
-    out = {}
-    for kind in ("eagle", "medusa"):
-        out[kind] = tmp_path_factory.mktemp(f"prefix_{kind}")
-        save_head(new_head(target, kind, torch.arange(0, target.config.vocab_size, 2), seed=5), out[kind])
-    return out
 
 
 def _params(n: int) -> SamplingParams:
@@ -94,8 +82,8 @@ def reference(tiny_llama_dir: Path) -> list[list[int]]:
 
 @pytest.mark.parametrize("method", ["plain", "ngram", "draft-chain", "draft-tree", "medusa", "eagle-tree"])
 def test_every_method_equals_plain_with_the_pool(method: str, tiny_llama_dir: Path, tiny_llama_other_dir: Path,
-                                                 heads: dict[str, Path], reference: list[list[int]]) -> None:
-    spec = _methods(tiny_llama_dir, tiny_llama_other_dir, heads)[method]
+                                                 tiny_heads: dict[str, Path], reference: list[list[int]]) -> None:
+    spec = _methods(tiny_llama_dir, tiny_llama_other_dir, tiny_heads)[method]
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec, max_num_batched_tokens=16)
     engine = llm.batch_engine(max_num_seqs=3)
     assert _conversation(llm, engine) == reference, method
@@ -205,10 +193,10 @@ def test_sliding_window_models_with_pool_and_chunks(kind: str, tmp_path: Path) -
 
 
 def test_pooled_blocks_hold_the_committed_tokens_kv(tiny_llama_dir: Path, tiny_llama_other_dir: Path,
-                                                    heads: dict[str, Path]) -> None:
+                                                    tiny_heads: dict[str, Path]) -> None:
     """After tree speculation (scratch slots past the prefix, compaction, rejected drafts), every pooled block of
     a finished request equals a fresh prefill of its tokens."""
-    spec = _methods(tiny_llama_dir, tiny_llama_other_dir, heads)["draft-tree"]
+    spec = _methods(tiny_llama_dir, tiny_llama_other_dir, tiny_heads)["draft-tree"]
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
     seq = llm.run_sequences([llm.new_sequence(SYSTEM + [100, 101], _params(40))])[0]
     assert seq.stats.draft_tokens > 0

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.engine.adaptive import CostModel
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
 from specdecode.proposers.draft_chain import ChainDraft
@@ -25,7 +24,7 @@ from specdecode.proposers.ngram_match import ngram_match
 from specdecode.proposers.ragged import Packed, RowInput, forward_rows
 from specdecode.proposers.row_cache import RowCache
 from specdecode.proposers.tree_growth import TreeGrower, level_width
-from specdecode.proposers.tree_value import TreeValue, node_selector
+from specdecode.proposers.tree_value import RowTreeValues, TreeValue, node_selector
 from specdecode.tree import MAX_TREE_NODES
 
 
@@ -46,7 +45,7 @@ class _Row:
     """Tokens of the last chain proposal."""
 
 
-class DraftModelRows:
+class DraftModelRows(RowTreeValues):
     """A `BatchProposer` drafting with a draft model for every row at once (see the module doc)."""
 
     name = "draft"
@@ -62,21 +61,10 @@ class DraftModelRows:
         # One slot past the largest tree: a padding query writes past a full tree's nodes.
         self.cache = RowCache(lambda rows: model.new_cache(rows, max_len + MAX_TREE_NODES + 1), max_rows)
         self.rows: dict[int, _Row] = {}
-        self.target_seconds = None
         self.forwards = 0
         """Batched draft forwards so far."""
 
     # ---- the protocol ----------------------------------------------------------------------------------
-
-    def configure(self, cost: CostModel) -> None:
-        self.target_seconds = cost.target_forward_seconds
-        for row in self.rows.values():
-            row.tree_value = self._tree_value()
-
-    def _tree_value(self) -> TreeValue | None:
-        if not self.capabilities.trees or self.target_seconds is None:
-            return None
-        return TreeValue(self.target_seconds)
 
     def begin(self, key: int, seq: SequenceView) -> None:
         # Nothing is fed yet: the first propose catches the row up on the prompt, so a request that never

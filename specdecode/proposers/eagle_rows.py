@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.engine.adaptive import CostModel
 from specdecode.heads.modules import EagleHead
 from specdecode.model.kv_cache import KVCache
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
@@ -25,7 +24,7 @@ from specdecode.proposers.heads import eagle_level_seconds
 from specdecode.proposers.ragged import Packed, RowInput, forward_rows
 from specdecode.proposers.row_cache import RowCache
 from specdecode.proposers.tree_growth import TreeGrower, TreeLevel, level_width
-from specdecode.proposers.tree_value import TreeValue, node_selector
+from specdecode.proposers.tree_value import RowTreeValues, TreeValue, node_selector
 from specdecode.tree import MAX_TREE_NODES
 
 
@@ -43,7 +42,7 @@ class _Row:
     """Pairs [0, num_cached) in the head's cache (pair j = feature j + token j+1)."""
 
 
-class EagleRows:
+class EagleRows(RowTreeValues):
     """A `BatchProposer` drafting with an EAGLE head for every row at once (see the module doc)."""
 
     name = "eagle"
@@ -60,20 +59,9 @@ class EagleRows:
         self.features: dict[int, torch.Tensor] = {}
         """Cache row -> the target's features of its request's positions [size, D] (kept for the next row)."""
         self.rows: dict[int, _Row] = {}
-        self.target_seconds = None
         self._cost = 0.0
 
     # ---- the protocol ----------------------------------------------------------------------------------
-
-    def configure(self, cost: CostModel) -> None:
-        self.target_seconds = cost.target_forward_seconds
-        for row in self.rows.values():
-            row.tree_value = self._tree_value()
-
-    def _tree_value(self) -> TreeValue | None:
-        if not self.capabilities.trees or self.target_seconds is None:
-            return None
-        return TreeValue(self.target_seconds)
 
     def begin(self, key: int, seq: SequenceView) -> None:
         slot = self.cache.take()

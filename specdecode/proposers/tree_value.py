@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specdecode.engine.adaptive import CostModel
+    from specdecode.proposers.base import Capabilities
 
 
 def best_node_count(probs: Sequence[float], calibration: float, draft_seconds: float,
@@ -84,3 +89,23 @@ def node_selector(value: TreeValue | None, tree_width: int, draft_seconds: Calla
     if cap is None:
         return lambda probs: value.keep(probs, draft_seconds())
     return lambda probs: value.keep(probs[:cap], draft_seconds())
+
+
+class RowTreeValues:
+    """`configure` for a batch proposer whose rows each size their trees by a `TreeValue`: the target's measured
+    forward cost prices the nodes, so every row (those running already included) gets a fresh one."""
+
+    capabilities: Capabilities
+    rows: dict[int, Any]
+    """Key -> row state with a `tree_value` attribute."""
+    target_seconds: Callable[[int], float] | None = None
+
+    def configure(self, cost: CostModel) -> None:
+        self.target_seconds = cost.target_forward_seconds
+        for row in self.rows.values():
+            row.tree_value = self._tree_value()
+
+    def _tree_value(self) -> TreeValue | None:
+        if not self.capabilities.trees or self.target_seconds is None:
+            return None
+        return TreeValue(self.target_seconds)
