@@ -38,7 +38,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import start_server  # noqa: E402
+from serve_load import start_server, stream_events  # noqa: E402
 
 from specdecode.bench.datasets import dataset_path, read_jsonl  # noqa: E402
 from specdecode.cli import _add_model_args  # noqa: E402
@@ -78,22 +78,14 @@ def stream_chat(client: httpx.Client, messages: list[dict[str, str]], max_tokens
     times: list[float] = []
     text: list[str] = []
     usage: dict[str, Any] = {}
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            usage = event.get("usage") or usage
-            for choice in event.get("choices", []):
-                if choice["delta"].get("content"):
-                    times.append(time.perf_counter())
-                    text.append(choice["delta"]["content"])
-                    if on_first is not None and len(times) == 1:
-                        on_first()
+    for event in stream_events(client, body):
+        usage = event.get("usage") or usage
+        for choice in event.get("choices", []):
+            if choice["delta"].get("content"):
+                times.append(time.perf_counter())
+                text.append(choice["delta"]["content"])
+                if on_first is not None and len(times) == 1:
+                    on_first()
     ttft = times[0] - t0 if times else time.perf_counter() - t0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {"text": "".join(text), "times": times, "ttft": ttft, "seconds": time.perf_counter() - t0,

@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,20 @@ def start_server(args: argparse.Namespace, max_num_seqs: int,
 # ---- client ----------------------------------------------------------------------------------------------------
 
 
+def stream_events(client: httpx.Client, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The parsed SSE events of one streamed chat completion; an HTTP or in-stream error raises."""
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            yield event
+
+
 def one_request(client: httpx.Client, model: str, messages: list[dict[str, str]], args: argparse.Namespace,
                 plain: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
@@ -118,23 +133,15 @@ def one_request(client: httpx.Client, model: str, messages: list[dict[str, str]]
     ttft = None
     text: list[str] = []
     usage: dict[str, Any] = {}
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices", []):
-                piece = choice["delta"].get("content")
-                if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    text.append(piece)
+    for event in stream_events(client, body):
+        if event.get("usage"):
+            usage = event["usage"]
+        for choice in event.get("choices", []):
+            piece = choice["delta"].get("content")
+            if piece:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(piece)
     latency = time.perf_counter() - t0
     spec = usage.get("speculative") or {}
     return {"text": "".join(text), "tokens": usage.get("completion_tokens", 0), "latency": latency,
