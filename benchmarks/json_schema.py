@@ -88,7 +88,10 @@ def run_method(name: str, args: argparse.Namespace, reqs: list[tuple[list[dict[s
     prompts = [llm.chat_prompt_ids(m) for m, _ in reqs]
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                              structured_outputs=StructuredOutputsParams(json=schema)) for _, schema in reqs]
-    llm.generate(prompts[:1], params[0])  # warm-up (and the grammar engine's tokenizer, built once)
+    # Warm-up, every request at once: the grammar engine's tokenizer and grammars, the batch's forward costs.
+    llm.run_sequences([llm.new_sequence(p, SamplingParams(max_tokens=4, temperature=0.0,
+                                                          structured_outputs=StructuredOutputsParams(json=schema)))
+                       for p, (_, schema) in zip(prompts, reqs, strict=True)])
     t0 = time.perf_counter()
     single = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
     single_s = time.perf_counter() - t0

@@ -142,7 +142,8 @@ def test_choices_share_a_chunked_prefill_and_the_prefix_pool(tiny_llama_dir: Pat
     for cached in (0, 32 if pool else 0):
         runner = llm.new_sequence([5, 6, 7], SamplingParams(max_tokens=25, temperature=0, ignore_eos=True))
         engine.add(runner)
-        engine.step()  # the runner decodes while the choices' prompt comes in by chunks
+        engine.step()  # the runner's prefill and first token
+        engine.step()  # it decodes, and keeps decoding while the choices' prompt comes in by chunks
         prefilled = 0
         group = object()
         seqs = [llm.new_sequence(prompt, params) for _ in range(3)]

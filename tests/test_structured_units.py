@@ -11,7 +11,7 @@ from test_engine_lossless import TARGET, VOCAB, _NoText, _transition_logits
 from test_structured_lossless import MarkovGrammar
 
 from specdecode import SamplingParams, StructuredOutputsParams
-from specdecode.engine.constrain import constrain_row
+from specdecode.engine.constrain import constrain_row, fit_forced
 from specdecode.engine.core import Engine
 from specdecode.engine.plan import RowTree
 from specdecode.engine.sequence import Sequence
@@ -49,6 +49,30 @@ def test_a_whole_chain_gets_the_forced_tokens() -> None:
     sampled, _ = constrain_row(RowTree([0, 4, 5], [-1, 0, 1], torch.cat([probs, torch.zeros(1, 6)]), 2),
                                MarkovGrammar(0), forced_room=4)
     assert sampled.draft_probs[2].tolist() == [1, 0, 0, 0, 0, 0] and not sampled.draft_probs[3].any()
+
+
+def _forced_rows() -> tuple[list[RowTree], list[torch.Tensor | None]]:
+    sampled = torch.zeros(6, 6)
+    sampled[0] = 1 / 6
+    sampled[torch.arange(1, 5), torch.tensor([2, 3, 4, 5])] = 1.0  # the forced nodes' one-hot rows
+    long = RowTree([0, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 3, 4], sampled, 1, forced=4)  # 1 drafted, 4 forced
+    return [long, RowTree([0], [-1], None, 0)], [torch.ones(6, 6, dtype=torch.bool), None]
+
+
+def test_forced_tails_stay_when_width_is_cheap() -> None:
+    rows, masks = _forced_rows()
+    fit_forced(rows, masks, [0.5, 1.0], lambda tokens: 1.0, 2.5)  # a flat forward: every forced node is free
+    assert len(rows[0].tokens) == 6 and rows[0].forced == 4 and masks[0].shape == (6, 6)
+
+
+def test_forced_tails_are_trimmed_to_the_width_that_pays() -> None:
+    rows, masks = _forced_rows()
+    # Seconds grow with every padded node: width 2 gives 3 / 4 tokens per second, width 6 only 5 / 12.
+    fit_forced(rows, masks, [0.5, 1.0], lambda tokens: float(tokens), 3.0)
+    long = rows[0]
+    assert long.tokens == [0, 1] and long.parents == [-1, 0] and long.forced == 0 and long.drafted == 1
+    assert masks[0].shape == (2, 6) and masks[1] is None and rows[1].tokens == [0]
+    assert long.draft_probs is not None and long.draft_probs.shape == (2, 6) and not long.draft_probs[1].any()
 
 
 def test_structured_params() -> None:

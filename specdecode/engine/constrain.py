@@ -16,6 +16,8 @@ the constrained target almost always accepts, verified like any other (lossless 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specdecode.engine.plan import RowTree
@@ -95,7 +97,45 @@ def _extend(row: RowTree, tokens: list[int]) -> RowTree:
         probs[n - 1 : n - 1 + len(tokens)] = 0.0
         probs[torch.arange(n - 1, n - 1 + len(tokens)), torch.tensor(tokens)] = 1.0
     parents = [*row.parents, *range(n - 1, n - 1 + len(tokens))]
-    return RowTree([*row.tokens, *tokens], parents, probs, row.drafted)
+    return RowTree([*row.tokens, *tokens], parents, probs, row.drafted, len(tokens))
+
+
+def _trimmed(row: RowTree, drop: int) -> RowTree:
+    """The chain without its last `drop` forced nodes."""
+    n = len(row.tokens) - drop
+    probs = None if row.draft_probs is None else row.draft_probs[:n].clone()
+    if probs is not None:
+        probs[n - 1] = 0.0  # the new leaf has no children
+    return RowTree(row.tokens[:n], row.parents[:n], probs, row.drafted, row.forced - drop)
+
+
+def fit_forced(rows: list[RowTree], masks: list[torch.Tensor | None], reach: list[float],
+               forward_seconds: Callable[[int], float], base_tokens: float) -> None:
+    """Trim the rows' forced tails (in place) to the batch width that yields the most tokens per second.
+
+    Every row of the forward is padded to the widest, so one row's long forced tail costs every row its
+    width. Width W (nodes per row) costs `forward_seconds(rows * W)` and yields `base_tokens` (the step's
+    expected tokens without forced nodes) plus, per row, the forced nodes that fit within W, each worth
+    `reach[i]` (the chance the row's drafted nodes before them are all accepted; a forced node itself is
+    the constrained target's only choice).
+    """
+    core = [len(r.tokens) - r.forced for r in rows]
+    low, high = max(core), max(len(r.tokens) for r in rows)
+    if high == low:
+        return
+
+    def rate(width: int) -> float:
+        gained = sum(p * min(r.forced, max(0, width - c)) for r, c, p in zip(rows, core, reach, strict=True))
+        return (base_tokens + gained) / forward_seconds(len(rows) * width)
+
+    width = max(range(low, high + 1), key=lambda w: (rate(w), -w))
+    for i, r in enumerate(rows):
+        drop = max(0, len(r.tokens) - width)
+        if drop:
+            rows[i] = _trimmed(r, drop)
+            mask = masks[i]
+            assert mask is not None  # forced nodes exist on constrained rows only
+            masks[i] = mask[: len(r.tokens) - drop]
 
 
 def constrain_row(row: RowTree, matcher: TokenMatcher, forced_room: int = 0) -> tuple[RowTree, torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import time
 from collections import deque
@@ -24,7 +25,7 @@ import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
 from specdecode.engine.chunking import MIN_CHUNK_TOKENS, chunk_tokens, smoothed
-from specdecode.engine.constrain import constrain_row
+from specdecode.engine.constrain import constrain_row, fit_forced
 from specdecode.engine.plan import RowTree, StepPlan, build_plan
 from specdecode.engine.prefix_cache import Block, PrefixCache
 from specdecode.engine.schedule import Lengths, RowWant, choose_lengths, node_budget
@@ -392,7 +393,9 @@ class Engine:
         """Admit waiting requests, run one speculative step over all running ones; returns sequences with news."""
         t_start = time.perf_counter()
         touched = self._admit()  # schedule: admission (and the newcomers' prefill)
-        if not self.running:
+        fresh = {id(s) for s in touched}
+        if all(id(r.seq) in fresh for r in self.running):
+            # Only newcomers run: their first tokens go out now, before their drafters catch up on the prompt.
             return touched
         t_decode = time.perf_counter()
         lengths = self._schedule()
@@ -473,6 +476,14 @@ class Engine:
                 room = max(0, min(FORCED_DRAFT_MAX, MAX_TREE_NODES - n, context, left - n))
             rows[i], mask = constrain_row(rows[i], seq.matcher, room)
             masks.append(mask)
+        if self._cost is not None and len(rows) > 1 and any(r.forced for r in rows):
+            reach, base = [], 0.0
+            for r, row in zip(self.running, rows, strict=True):
+                drafted = len(row.tokens) - row.forced - 1
+                tracker = r.policy.tracker if r.policy is not None else None
+                reach.append(math.prod(tracker.alpha(j) for j in range(drafted)) if tracker is not None else 1.0)
+                base += tracker.expected_tokens(drafted) if tracker is not None else 1.0
+            fit_forced(rows, masks, reach, self._cost.target_forward_seconds, base)
         return masks
 
     def _target_forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ def _forward(target: Transformer, cache, rows: int, tokens: int, start: int) -> 
 def measure_cost(target: Transformer, proposer: BatchProposer | None, k_max: int, max_len: int, max_rows: int = 1,
                  context: int = 128, repeats: int = 3, flat: bool = False) -> CostModel:
     """Time forwards over 1..k_max+1 tokens of one row (up to a whole tree for tree proposers) and over
-    rows x (1, 2, 4, k_max + 1) tokens for up to max_rows rows; the fastest shape per total counts.
+    max_rows x (1, 2, 4, k_max + 1) tokens; the fastest shape per total counts.
 
     `flat` keeps only the 1-token time and prices every larger forward the same, as on a GPU whose
     forward of a 1.5B model stays memory-bound up to the largest tree: the benchmark uses it to show
@@ -34,11 +34,10 @@ def measure_cost(target: Transformer, proposer: BatchProposer | None, k_max: int
 
 class CostMeasurement:
     """The cost model measured as far as the calls so far needed: one row (a lone request's chain or tree) at
-    first, then the batch shapes up to a larger number of rows the first time a batch of that size runs.
+    first, then the shapes of a larger batch the first time a batch of that size runs.
 
-    Measuring every batch size up to the engine's max_num_seqs at start-up takes most of a minute on a 1.5B
-    target, and a call with one prompt never uses it; batch shapes measured later join the one-row points
-    (each shape's median over its own rounds, the fastest shape per total tokens counting)."""
+    A call with one prompt never uses the batch shapes, so they wait for the first batch; they join the
+    one-row points (each shape's median over its own rounds, the fastest shape per total tokens counting)."""
 
     def __init__(self, target: Transformer, proposer: BatchProposer | None, k_max: int, max_len: int,
                  context: int = 128, repeats: int = 3, flat: bool = False) -> None:
@@ -64,12 +63,9 @@ class CostMeasurement:
             self._time([(1, t) for t in (self.ts[:1] if self.flat else self.ts)], 1)
             self.rows = 1
         if rows > self.rows and not self.flat:  # a flat curve needs only the 1-token time
-            batches = sorted({2, 4, 8, 16, rows} & set(range(self.rows + 1, rows + 1)))
-            if batches:
-                # One shape per total: the most rows (what a batch runs); the cost model keys forwards by total.
-                by_total = {b * w: (b, w) for b in batches for w in self.widths}  # batches ascending
-                shapes = sorted(by_total.values())
-                self._time(shapes, max(batches))
+            # The cost model keys forwards by their total tokens: the largest batch at each width spans the
+            # totals a batch runs, and smaller batches fall between the one-row and these points.
+            self._time([(rows, w) for w in self.widths], rows)
             self.rows = rows
         return self._model()
 
@@ -77,7 +73,9 @@ class CostMeasurement:
         target = self.target
         cache = target.new_cache(rows, self.context + max(t for _, t in shapes) + 1)
         if self.context:
-            _forward(target, cache, rows, self.context, 0)  # warm-up and a realistic cache
+            _forward(target, cache, 1, self.context, 0)  # warm-up and a realistic cache, copied to every row
+            for row in range(1, rows):
+                cache.copy_prefix(0, row, self.context)
         samples: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
         for _ in range(self.repeats):  # rounds over every shape: a slow spell of a shared machine slows all
             for b, t in shapes:  # alike, so the ratios that choose k and the tree stay right

@@ -27,6 +27,8 @@ class RowTree:
     """[n, V]: row v = the distribution node v's children were sampled from; None for point masses."""
     drafted: int
     """Draft nodes the proposer itself offered (a grafted lookup branch follows them)."""
+    forced: int = 0
+    """Point-mass nodes the grammar forced at the end of a chain (the last `forced` nodes)."""
 
     @classmethod
     def of(cls, pending: int, draft: Draft, drafted: int | None = None) -> RowTree:
