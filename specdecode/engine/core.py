@@ -413,7 +413,7 @@ class Engine:
         end = time.perf_counter()
         self.last_step_seconds = end - t_start
         self._decode_seconds = smoothed(self._decode_seconds, end - t_decode)
-        self._log_step(lengths, rows, t1 - t0)
+        self._log_step(lengths, rows, t1 - t0, t_decode - t_start)
         return touched
 
     def _schedule(self) -> Lengths:
@@ -539,10 +539,10 @@ class Engine:
             own = sum(1 for n in v.nodes if n <= row.drafted)
             self.proposer.on_verified(r.key, r.seq.view(), accepted, own)
 
-    def _log_step(self, lengths: Lengths, rows: list[RowTree], draft_seconds: float) -> None:
-        if STEP_LOG is not None:  # diagnosing load-aware drafting: one JSON line per step
+    def _log_step(self, lengths: Lengths, rows: list[RowTree], draft_seconds: float, admit_seconds: float) -> None:
+        if STEP_LOG is not None:  # diagnosing load-aware drafting and chunked prefill: one JSON line per step
             with open(STEP_LOG, "a") as f:
                 f.write(json.dumps({"rows": len(rows), "ks": lengths.ks, "drafted": [r.num_drafted for r in rows],
                                     "node_budget": lengths.node_budget,
-                                    "draft_s": round(draft_seconds, 4),
+                                    "draft_s": round(draft_seconds, 4), "admit_s": round(admit_seconds, 4),
                                     "step_s": round(self.last_step_seconds, 4)}) + "\n")
