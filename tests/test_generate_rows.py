@@ -44,3 +44,24 @@ def test_generate_refuses_rows_that_do_not_fit(tiny_llama_dir: Path, monkeypatch
     assert not llm.engine.has_work() and llm.engine.cache is not None and llm.engine.cache.batch_size == 1
     monkeypatch.setattr(validation, "available_bytes", lambda device: 1 << 34)
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)][:1] == ref
+
+
+def test_a_server_engine_allocates_every_drafting_row_up_front(tiny_llama_dir: Path, tiny_llama_other_dir: Path,
+                                                              tiny_heads: dict[str, Path]) -> None:
+    """Admission never allocates: the draft model's and the EAGLE head's cache rows exist from the start."""
+    from specdecode.proposers.draft_rows import DraftModelRows
+    from specdecode.proposers.eagle_rows import EagleRows
+
+    for spec in ({"method": "draft", "model": str(tiny_llama_other_dir), "num_speculative_tokens": 3},
+                 {"method": "eagle", "model": str(tiny_heads["eagle"]), "num_speculative_tokens": 3}):
+        llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec, max_model_len=256)
+        engine = llm.batch_engine(max_num_seqs=4)
+        proposer = engine.proposer
+        assert isinstance(proposer, DraftModelRows | EagleRows)
+        assert proposer.cache.cache is not None and proposer.cache.cache.batch_size == 4
+        before = proposer.cache.cache
+        for p in PROMPTS:
+            engine.add(llm.new_sequence(p, PARAMS))
+        while engine.has_work():
+            engine.step()
+        assert proposer.cache.cache is before

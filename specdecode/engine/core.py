@@ -97,8 +97,8 @@ class Engine:
         self.proposer: BatchProposer | None = None
         self._cost: CostModel | None = None
         self.row_cost: CostModel | None = None
-        self.set_proposer(proposer, cost)
         self.cache: KVCache | None = None
+        self.set_proposer(proposer, cost)
         if allocate:
             self.reserve(max_num_seqs)
         self.prefix_cache = prefix_cache
@@ -127,6 +127,8 @@ class Engine:
         """Draft with `proposer` from now on (configured with the cost model, if any)."""
         self.proposer = proposer
         self.cost = cost if cost is not None else self._cost
+        if proposer is not None and self.cache is not None:
+            proposer.reserve(self.cache.batch_size)
 
     @property
     def cost(self) -> CostModel | None:
@@ -148,6 +150,8 @@ class Engine:
     def reserve(self, rows: int) -> None:
         """Make room for `rows` running rows (allocated up front for serving, on demand for `generate`)."""
         rows = min(max(1, rows), self.max_num_seqs)
+        if self.proposer is not None:
+            self.proposer.reserve(rows)
         if self.cache is not None and self.cache.batch_size >= rows:
             return
         # Headroom past max_len: a step's tree (or padded chain) occupies slots after the row's prefix.

@@ -146,6 +146,10 @@ class BatchProposer(Protocol):
 
     def configure(self, cost: CostModel) -> None: ...
 
+    def reserve(self, rows: int) -> None:
+        """Allocate the drafting state of `rows` rows now (a server's rows up front; `generate` grows on
+        demand), so no admission pays for an allocation."""
+
     def begin(self, key: int, seq: SequenceView) -> None: ...
 
     def release(self, key: int) -> None: ...

@@ -66,6 +66,9 @@ class DraftModelRows(RowTreeValues):
 
     # ---- the protocol ----------------------------------------------------------------------------------
 
+    def reserve(self, rows: int) -> None:
+        self.cache.reserve(rows)
+
     def begin(self, key: int, seq: SequenceView) -> None:
         # Nothing is fed yet: the first propose catches the row up on the prompt, so a request that never
         # drafts never pays for the draft's prefill.

@@ -63,6 +63,9 @@ class EagleRows(RowTreeValues):
 
     # ---- the protocol ----------------------------------------------------------------------------------
 
+    def reserve(self, rows: int) -> None:
+        self.cache.reserve(rows)
+
     def begin(self, key: int, seq: SequenceView) -> None:
         slot = self.cache.take()
         if slot not in self.features:

@@ -2,7 +2,8 @@
 
 A request takes the lowest free row at `begin` and gives it back at `release`, so the rows in use stay
 packed toward row 0 and a batched forward runs over rows [0, `span`). The cache grows (doubling, its rows
-copied, up to the engine's batch size) when more requests draft at once than it has rows; it never shrinks.
+copied, up to the engine's batch size) when more requests draft at once than it has rows, unless `reserve`
+allocated the engine's rows up front; it never shrinks.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class RowCache:
         assert self.cache is not None
         self.cache.reset(row)
         return row
+
+    def reserve(self, rows: int) -> None:
+        """Grow to `rows` rows now (at most max_rows)."""
+        rows = min(rows, self.max_rows or rows)
+        if self.cache is None or self.cache.batch_size < rows:
+            self._grow(rows)
 
     def give(self, row: int) -> None:
         self.used.discard(row)

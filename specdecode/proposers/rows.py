@@ -32,6 +32,9 @@ class RowProposers:
         for proposer in (self.probe, *self.rows.values()):
             proposer.configure(cost)
 
+    def reserve(self, rows: int) -> None:
+        pass  # per-row proposers hold their own state, made at begin
+
     def begin(self, key: int, seq: SequenceView) -> None:
         proposer = self.factory()
         if self.cost is not None:
