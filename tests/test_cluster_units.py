@@ -134,6 +134,11 @@ def test_serve_cli_takes_the_cluster_flags_and_the_core_import_needs_no_ray() ->
     assert (cfg.replicas, cfg.min_replicas, cfg.max_replicas, cfg.replica_threads, cfg.replica_gpus) == (
         2, 1, 3, 2, 0.5)
     assert cfg.speculative_config == {"method": "ngram"}
+    assert (cfg.enable_prefix_caching, cfg.prefix_cache_gb, cfg.max_num_batched_tokens) == (True, 1.0, 256)
+    cached = config_from_args(build_parser().parse_args(["serve", "--model", "m", "--replicas", "2",
+                                                         "--no-prefix-caching", "--prefix-cache-gb", "0.5",
+                                                         "--max-num-batched-tokens", "0"]))
+    assert (cached.enable_prefix_caching, cached.prefix_cache_gb, cached.max_num_batched_tokens) == (False, 0.5, 0)
     assert not wants_cluster(build_parser().parse_args(["serve", "--model", "m"]))
     # Importing the engine, the server and the cluster's plain modules loads no Ray.
     code = ("import sys, specdecode, specdecode.cli, specdecode.server.app, specdecode.cluster, "

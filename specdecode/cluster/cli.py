@@ -50,7 +50,7 @@ def wants_cluster(args: argparse.Namespace) -> bool:
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    from specdecode.cli import speculative_config_from_args
+    from specdecode.cli import cache_kwargs, speculative_config_from_args
 
     return ClusterConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -61,7 +61,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         min_replicas=args.min_replicas, max_replicas=args.max_replicas,
         target_ongoing_requests=args.target_ongoing_requests, replica_threads=args.replica_threads,
         replica_gpus=args.replica_gpus, route_prefix_chars=args.route_prefix_chars,
-        route_saturation=args.route_saturation,
+        route_saturation=args.route_saturation, **cache_kwargs(args),
     )
 
 

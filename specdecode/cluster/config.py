@@ -24,6 +24,10 @@ class ClusterConfig:
     api_key: str | None = None
     default_max_tokens: int = 256
     max_body_bytes: int = 1 << 20
+    enable_prefix_caching: bool = True
+    prefix_cache_gb: float = 1.0
+    max_num_batched_tokens: int = 256
+    """0: whole prompts at once (no chunked prefill)."""
     # ---- replicas ----
     replicas: int = 1
     """Replicas at start (the fixed count without autoscaling)."""

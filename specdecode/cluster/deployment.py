@@ -67,7 +67,9 @@ class EngineReplica:
         cfg = ClusterConfig(**config)
         torch.set_num_threads(cfg.replica_threads)
         llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len,
-                  speculative_config=cfg.speculative_config, seed=cfg.seed, quantization=cfg.quantization)
+                  speculative_config=cfg.speculative_config, seed=cfg.seed, quantization=cfg.quantization,
+                  max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
+                  prefix_cache_gb=cfg.prefix_cache_gb, max_num_batched_tokens=cfg.max_num_batched_tokens)
         # No API key here: the ingress checks it; replicas are reachable only through Ray.
         self.app = build_app(llm, max_num_seqs=cfg.max_num_seqs, max_waiting=cfg.max_waiting,
                              served_model_name=cfg.served_model_name or cfg.model,
