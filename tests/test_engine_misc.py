@@ -484,3 +484,18 @@ def test_draft_proposer_reports_its_catch_up(tiny_llama_dir) -> None:
     engine = llm.batch_engine(max_num_seqs=2)
     assert engine.proposer is not None and engine.proposer.capabilities.catch_up
     assert engine.cost is not None and engine.cost.catch_up_token_seconds > 0  # measured on a probe proposer
+
+
+def test_a_probe_that_needs_a_catch_up_is_capped_like_any_k() -> None:
+    """A free probe (n-gram, a head) always runs; a probe whose draft model must first catch up on the context runs
+    only where the batch's cost model says it pays."""
+    from specdecode.engine.adaptive import AdaptiveK
+    from specdecode.engine.schedule import RowWant, choose_lengths
+
+    cost = CostModel.from_points({1: 0.1, 16: 0.1}, 16)
+    probing = AdaptiveK(cost)
+    probing.tracker.update(4, 0)  # a drafter that keeps missing
+    probing._probing = True  # noqa: SLF001 - the state next_k leaves after a run of k = 0
+    plain = AdaptiveK(fixed_k=0)
+    assert choose_lengths([RowWant(1, probing), RowWant(0, plain)], cost, 1, 4).ks == [1, 0]
+    assert choose_lengths([RowWant(1, probing, 2.0), RowWant(0, plain)], cost, 1, 4).ks == [0, 0]

@@ -29,8 +29,12 @@ class RowWant:
 
     @property
     def adaptive(self) -> bool:
-        """Capped by the batch: not a fixed k, nor a probe (one token that keeps the row's estimate alive)."""
-        return self.policy is not None and self.policy.fixed_k is None and not self.policy.probing
+        """Capped by the batch: not a fixed k, nor a free probe (one token that keeps the row's estimate alive).
+        A probe whose drafter must first catch up (a draft model that has not drafted for a while feeds it all)
+        is capped like any k: the batch pays for that catch-up only where it pays back."""
+        if self.policy is None or self.policy.fixed_k is not None:
+            return False
+        return not self.policy.probing or self.catch_up_seconds > 0
 
     def expected_tokens(self, k: int) -> float:
         return self.policy.tracker.expected_tokens(k) if self.policy is not None else 1.0
