@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from specdecode.engine.adaptive import CostModel
 from specdecode.proposers.tree_growth import grow_tree, prune_to_best
 from specdecode.proposers.tree_value import TreeValue, best_node_count
 
@@ -102,6 +103,10 @@ def test_the_engine_feeds_a_tree_proposers_calibration(plain_tiny, tiny_llama_di
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": "draft", "model": str(tiny_llama_dir), "draft_tree_width": 0})
     made = record_proposers(llm)
+    assert llm.engine.cost is not None
+    # A known cost (a drafted token a tenth of a forward) in place of the measured one: with the target as its
+    # own draft the measured costs sit at break-even, where timing noise alone would decide whether it drafts.
+    llm.engine.cost = CostModel.from_points({1: 0.010, 9: 0.012}, 9, draft_step_seconds=0.001)
     outs = llm.generate(tiny_prompts(base)[:1], GREEDY)
     value = made[-1].tree_value
     assert value is not None
