@@ -8,6 +8,7 @@ useless proposer falls back to plain speed instead of slowing generation down.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -163,6 +164,10 @@ class AcceptanceTracker:
         for i in range(observed):
             x = 1.0 if i < num_accepted else 0.0
             self._alpha[i] = d * self._alpha[i] + (1.0 - d) * x
+
+    def reach(self, k: int) -> float:
+        """P(draft positions 0..k-1 all accepted): the chance a node after the first k is verified at all."""
+        return math.prod(self.alpha(j) for j in range(k))
 
     def expected_tokens(self, k: int) -> float:
         """Expected output tokens of a step with draft length k (accepted + recovered/bonus).

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import time
 from collections import deque
@@ -485,7 +484,7 @@ class Engine:
             for r, row in zip(self.running, rows, strict=True):
                 drafted = len(row.tokens) - row.forced - 1
                 tracker = r.policy.tracker if r.policy is not None else None
-                reach.append(math.prod(tracker.alpha(j) for j in range(drafted)) if tracker is not None else 1.0)
+                reach.append(tracker.reach(drafted) if tracker is not None else 1.0)
                 base += tracker.expected_tokens(drafted) if tracker is not None else 1.0
             fit_forced(rows, masks, reach, self._cost.target_forward_seconds, base)
         return masks
