@@ -116,7 +116,7 @@ def multiturn(url: str, args: argparse.Namespace, questions: list[list[str]]) ->
             messages += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": turns[1]}]
             second = stream_chat(client, messages, args.turn_tokens)
             ttft2.append(second["ttft"])
-            if len(second["times"]) > 1:  # the step after the first token: the drafter's catch-up on the history
+            if len(second["times"]) > 1:  # the first decode step after the turn-2 prefill
                 second_gap.append(second["times"][1] - second["times"][0])
             cached.append(second["cached_tokens"] / max(1, second["prompt_tokens"]))
             texts += [first["text"], second["text"]]
@@ -211,7 +211,7 @@ def markdown(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> st
         lines += [f"MT-bench, {args.conversations} two-turn conversations, {args.turn_tokens} tokens per turn: "
                   f"turn-2 TTFT median {on['ttft2_median']:.2f} s cached vs {off['ttft2_median']:.2f} s not "
                   f"(ratio {on['ttft2_median'] / off['ttft2_median']:.3f}x; target <= 0.2x); turn-2 prompt "
-                  f"{100 * on['cached_fraction_turn2']:.0f}% cached; first to second token (the draft's catch-up) "
+                  f"{100 * on['cached_fraction_turn2']:.0f}% cached; first to second token "
                   f"{on['turn2_first_gap_median']:.2f} s vs {off['turn2_first_gap_median']:.2f} s; outputs identical: "
                   f"{same(on, off)}", ""]
     if "shared" in results:
