@@ -69,7 +69,9 @@ def test_choices_of_one_prompt_share_one_prefill(tiny_llama_dir: Path, tmp_path:
         target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
         save_head(new_head(target, method, torch.arange(0, target.config.vocab_size, 2), seed=5), tmp_path)
         spec = {"method": method, "model": str(tmp_path), "num_speculative_tokens": 3, "draft_tree_width": 1}
-    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", max_model_len=128, speculative_config=spec)
+    # Without the pool: the choices' one prefill is the lone request's own, not a pooled copy of it.
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", max_model_len=128, speculative_config=spec,
+              enable_prefix_caching=False)
     prompt = llm.tokenizer.encode("def add(a, b):")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     lone = llm.run_sequences([llm.new_sequence(prompt, params)])[0]
@@ -104,7 +106,8 @@ def test_choices_share_a_chunked_prefill_and_the_prefix_pool(tiny_llama_dir: Pat
                                                              method: str | None, pool: bool) -> None:
     """With the pool on and chunked prefill beside a decoding row, a request's choices prefill its prompt once
     (the siblings copy it, partial last block included) and decode as a lone request would; a second request of
-    the same prompt reads its full blocks from the pool, and every choice reports the shared cached tokens."""
+    the same prompt reads all but its last token from the pool, and every choice reports the shared cached
+    tokens."""
     torch.set_num_threads(1)
     spec = None
     if method is not None:
@@ -139,7 +142,7 @@ def test_choices_share_a_chunked_prefill_and_the_prefix_pool(tiny_llama_dir: Pat
             return out
 
         engine.proposer.propose = recording  # type: ignore[method-assign]
-    for cached in (0, 32 if pool else 0):
+    for cached in (0, len(prompt) - 1 if pool else 0):
         runner = llm.new_sequence([5, 6, 7], SamplingParams(max_tokens=25, temperature=0, ignore_eos=True))
         engine.add(runner)
         engine.step()  # the runner's prefill and first token

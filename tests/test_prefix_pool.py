@@ -10,10 +10,10 @@ BLOCK = 4
 
 
 def _reader(tag: float, features: bool = False):  # noqa: ANN202
-    """K/V blocks [L=1, kvh=1, BLOCK, hd=2] filled with tag + block index (to see which copy was pooled)."""
-    def read(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        k = torch.full((1, 1, BLOCK, 2), tag + i)
-        return k, k.clone(), torch.full((BLOCK, 3), tag + i) if features else None
+    """K/V of n slots of block i [L=1, kvh=1, n, hd=2] filled with tag + i (to see which copy was pooled)."""
+    def read(i: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        k = torch.full((1, 1, n, 2), tag + i)
+        return k, k.clone(), torch.full((n, 3), tag + i) if features else None
     return read
 
 
@@ -28,16 +28,45 @@ def test_chain_hashes_name_whole_prefixes() -> None:
     assert c[1] != a[1]  # same second block, different first: a different prefix
 
 
+def _spans(blocks) -> list[tuple[float, int]]:  # noqa: ANN001
+    """(tag of the pooled copy, tokens used) of each matched block."""
+    return [(float(b.k[0, 0, 0, 0]), len(b.tokens)) for b in blocks]
+
+
 def test_match_finds_the_longest_pooled_prefix() -> None:
     pool = PrefixCache(1 << 20, BLOCK)
     tokens = list(range(12))
     assert pool.insert(tokens, _reader(0.0)) == 3
     assert pool.insert(tokens[:8], _reader(9.0)) == 0  # already pooled: nothing copied
     got = pool.match([*tokens[:8], 99, 100, 101, 102, 103], limit=12)
-    assert [float(b.k[0, 0, 0, 0]) for b in got] == [0.0, 1.0]
-    assert len(pool.match(tokens, limit=11)) == 2  # the limit cuts block 3
+    assert _spans(got) == [(0.0, 4), (1.0, 4)]
+    assert _spans(pool.match(tokens, limit=11)) == [(0.0, 4), (1.0, 4), (2.0, 3)]  # the limit cuts block 3
     assert pool.match([5, *tokens[1:]], limit=12) == []
-    assert pool.hit_tokens == 8 + 8 + 0 and pool.queried_tokens == 13 + 12 + 12
+    assert pool.hit_tokens == 8 + 11 + 0 and pool.queried_tokens == 13 + 12 + 12
+
+
+def test_a_prompt_reuses_the_shared_part_of_a_block() -> None:
+    """Reuse is token-exact: a prompt that leaves a pooled block midway keeps the tokens it shares with it."""
+    pool = PrefixCache(1 << 20, BLOCK)
+    pool.insert(list(range(8)), _reader(0.0))
+    got = pool.match([0, 1, 2, 3, 4, 5, 77, 78, 79], limit=9)
+    assert _spans(got) == [(0.0, 4), (1.0, 2)]
+    assert got[1].k.shape[2] == 2 and got[1].tokens == (4, 5)
+    assert pool.hit_tokens == 6
+
+
+def test_a_finished_rows_last_partial_block_is_pooled() -> None:
+    """A conversation's next turn starts with the whole previous one: its last, partial block is pooled too, and
+    a longer tail that covers it replaces it."""
+    pool = PrefixCache(1 << 20, BLOCK)
+    assert pool.insert(list(range(6)), _reader(0.0)) == 2  # one full block, one of 2 tokens
+    assert _spans(pool.match([*range(6), 50, 51], limit=8)) == [(0.0, 4), (1.0, 2)]
+    assert pool.insert(list(range(5)), _reader(5.0)) == 0  # covered by the pooled tail
+    assert pool.insert(list(range(7)), _reader(7.0)) == 1  # a longer tail replaces the shorter
+    assert len(pool.blocks) == 2
+    assert pool.insert(list(range(8)), _reader(8.0)) == 1  # the full block replaces it
+    assert len(pool.blocks) == 2 and pool.bytes_used == 2 * BLOCK_BYTES
+    assert _spans(pool.match(list(range(9)), limit=9)) == [(0.0, 4), (9.0, 4)]
 
 
 def test_features_are_required_only_when_asked() -> None:
@@ -58,6 +87,10 @@ def test_a_row_with_features_completes_blocks_pooled_without() -> None:
     pool.insert(list(range(8)), _reader(5.0, features=True), has_features=True)
     got = pool.match(list(range(8)), 8, need_features=True)
     assert [float(b.features[0, 0]) for b in got] == [5.0, 6.0]  # type: ignore[index]
+    pool.insert(list(range(10)), _reader(0.0))
+    assert len(pool.match(list(range(10)), 10, need_features=True)) == 2  # the tail without features is not used
+    pool.insert(list(range(10)), _reader(5.0, features=True), has_features=True)
+    assert len(pool.match(list(range(10)), 10, need_features=True)) == 3
     assert pool.bytes_used == sum(b.nbytes for b in pool.blocks.values())
 
 

@@ -41,7 +41,7 @@ def test_second_request_reads_the_shared_prompt_from_the_cache(tiny_llama_dir: P
             assert texts[-1] == want[0].text
         assert usages[0].prompt_tokens_details.cached_tokens == 0
         cached = usages[1].prompt_tokens_details.cached_tokens
-        assert cached >= 32 and cached % 16 == 0 and cached < usages[1].prompt_tokens
+        assert 32 <= cached < usages[1].prompt_tokens
         metrics = server.metrics()
         assert metrics["specdecode_prefix_cache_hits_total"] == cached
         assert metrics["specdecode_prefix_cache_queries_total"] == usages[0].prompt_tokens + usages[1].prompt_tokens

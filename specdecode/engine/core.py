@@ -267,10 +267,9 @@ class Engine:
         if self.prefix_cache is not None:
             # The prompt's last token is always computed: its logits give the first output token.
             blocks = self.prefix_cache.match(seq.token_ids, seq.prompt_len - 1, need_features=hidden)
-        size = self.prefix_cache.block_size if self.prefix_cache is not None else 0
-        for i, b in enumerate(blocks):
-            self.cache.write_span(row, i * size, b.k, b.v)
-        r.prefilled = len(blocks) * size
+        for b in blocks:
+            self.cache.write_span(row, r.prefilled, b.k, b.v)
+            r.prefilled += len(b.tokens)
         seq.cached_tokens = r.prefilled
         self.cache.set_length(row, r.prefilled)
         if policy is not None:
@@ -352,7 +351,7 @@ class Engine:
             self.cache.move_row(last + 1, last)
 
     def _remember(self, row: int) -> None:
-        """Pool the committed full blocks of a running row (its K/V, and features where kept)."""
+        """Pool the committed blocks of a running row (its K/V, and features where kept)."""
         pool, cache = self.prefix_cache, self.cache
         if pool is None or cache is None:
             return
@@ -364,9 +363,9 @@ class Engine:
         if hidden and r.features is None:
             return
 
-        def read(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-            k, v = cache.read_span(row, i * size, size)
-            features = r.features[i * size : (i + 1) * size].clone() if r.features is not None else None
+        def read(i: int, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            k, v = cache.read_span(row, i * size, m)
+            features = r.features[i * size : i * size + m].clone() if r.features is not None else None
             return k, v, features
 
         pool.insert(r.seq.token_ids[:n], read, has_features=r.features is not None)

@@ -8,6 +8,11 @@ row), bounded in bytes; the least recently used entries go first, and a match re
 last block to its first so a chain loses its tail before its head (a parent without children stays useful,
 a child without its parent is unreachable).
 
+Reuse is token-exact, as in a radix tree: after the last whole block, a prompt takes the longest run of tokens it
+shares with any pooled child of that block (a block it leaves midway, or a row's last, partial block, which is
+pooled too, so a conversation's next turn reuses the whole previous one). A partial block is replaced by a
+longer one, or by the whole block, that covers it.
+
 Only committed tokens are inserted (slots below a row's length, never a tree's scratch slots or rejected
 drafts), and a hit is copied into the row, so speculation never writes into a pooled block.
 """
@@ -43,14 +48,30 @@ class Block:
     features: torch.Tensor | None = None
     """The target's features of the block's positions [block, F] for proposers that read them (EAGLE)."""
 
+    def head(self, n: int) -> Block:
+        """The block's first n positions (views; the whole block when n covers it)."""
+        if n >= len(self.tokens):
+            return self
+        features = None if self.features is None else self.features[:n]
+        return Block(self.parent, self.tokens[:n], self.k[:, :, :n], self.v[:, :, :n], features)
+
     @property
     def nbytes(self) -> int:
         extra = 0 if self.features is None else self.features.numel() * self.features.element_size()
         return 2 * self.k.numel() * self.k.element_size() + extra
 
 
-BlockReader = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-"""Block index -> copies of its k, v [L, kvh, block, hd] and features [block, F] (or None)."""
+BlockReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+"""(block index i, n) -> copies of k, v [L, kvh, n, hd] and features [n, F] (or None) of block i's first n slots."""
+
+
+def _shared_length(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class PrefixCache:
@@ -63,6 +84,8 @@ class PrefixCache:
         self.block_size = block_size
         self.blocks: OrderedDict[int, Block] = OrderedDict()
         """Oldest first: eviction pops from the front."""
+        self.children: dict[int | None, set[int]] = {}
+        """Parent key -> keys of its pooled children (whole and partial blocks)."""
         self.bytes_used = 0
         self.queried_tokens = 0
         """Prompt tokens looked up (the hit rate's denominator)."""
@@ -77,12 +100,14 @@ class PrefixCache:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     def match(self, tokens: list[int], limit: int, need_features: bool = False) -> list[Block]:
-        """The longest chain of pooled blocks covering a prefix of tokens[:limit] (counted in the hit rate)."""
+        """The pooled blocks covering the longest prefix of tokens[:limit] (counted in the hit rate): whole blocks,
+        then at most one block trimmed to the tokens it shares (a view)."""
         with self._lock:
             return self._match(tokens, limit, need_features)
 
     def insert(self, tokens: list[int], read: BlockReader, has_features: bool = False) -> int:
-        """Pool the full blocks of `tokens` (whose K/V `read` copies out); returns the blocks added. With
+        """Pool the blocks of `tokens`, the last partial one included (`read` copies their K/V out); returns the
+        blocks added. With
         `has_features`, pooled blocks that lack features (pooled by a row whose proposer reads none) get them,
         so a later feature-reading request still matches them."""
         with self._lock:
@@ -91,6 +116,7 @@ class PrefixCache:
     def clear(self) -> None:
         with self._lock:
             self.blocks.clear()
+            self.children.clear()
             self.bytes_used = 0
 
     def _match(self, tokens: list[int], limit: int, need_features: bool) -> list[Block]:
@@ -104,31 +130,77 @@ class PrefixCache:
                 break
             found.append(block)
             parent = key
-        self._refresh(chain_hashes(tokens[: len(found) * self.block_size], self.block_size))
+        keys = chain_hashes(tokens[: len(found) * self.block_size], self.block_size)
+        rest = tokens[len(found) * self.block_size : limit]
+        best, shared = None, 0
+        for key in self.children.get(parent, ()) if rest else ():
+            child = self.blocks[key]
+            n = _shared_length(child.tokens, rest)
+            if n > shared and not (need_features and child.features is None):
+                best, shared = key, n
+        if best is not None:
+            keys.append(best)
+            found.append(self.blocks[best].head(shared))
+        self._refresh(keys)
         self.queried_tokens += len(tokens)
-        self.hit_tokens += len(found) * self.block_size
+        self.hit_tokens += sum(len(b.tokens) for b in found)
         return found
 
     def _insert(self, tokens: list[int], read: BlockReader, has_features: bool) -> int:
-        keys = chain_hashes(tokens, self.block_size)
+        size = self.block_size
+        keys = chain_hashes(tokens, size)
         added = 0
         parent = None
         for i, key in enumerate(keys):
             old = self.blocks.get(key)
             if old is not None and old.features is None and has_features:
-                self.blocks.pop(key)  # replaced below by the same block with its features
-                self.bytes_used -= old.nbytes
+                self._remove(key)  # replaced below by the same block with its features
             if key not in self.blocks:
-                k, v, features = read(i)
-                block = Block(parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]), k, v, features)
-                if not self._make_room(block.nbytes):
-                    break
-                self.blocks[key] = block
-                self.bytes_used += block.nbytes
+                if not self._add(key, parent, tuple(tokens[i * size : (i + 1) * size]), read, i, has_features):
+                    self._refresh([key for key in keys if key in self.blocks])
+                    return added
                 added += 1
             parent = key
+        tail = tuple(tokens[len(keys) * size :])
+        if tail and not self._covered(parent, tail, has_features):
+            key = hash((parent, tail))  # shorter than a whole block: never a whole block's tokens
+            if self._add(key, parent, tail, read, len(keys), has_features):  # drops a same-key block it covers
+                keys.append(key)
+                added += 1
         self._refresh([key for key in keys if key in self.blocks])
         return added
+
+    def _covered(self, parent: int | None, tail: tuple[int, ...], has_features: bool) -> bool:
+        """A pooled child of `parent` starts with `tail` (and has features where the new one would)."""
+        return any(self.blocks[key].tokens[: len(tail)] == tail
+                   and (self.blocks[key].features is not None or not has_features)
+                   for key in self.children.get(parent, ()))
+
+    def _add(self, key: int, parent: int | None, tokens: tuple[int, ...], read: BlockReader, i: int,
+             has_features: bool) -> bool:
+        """Pool one block (whole or partial), dropping the partial siblings it covers; False: it does not fit."""
+        for old in [c for c in self.children.get(parent, ()) if len(self.blocks[c].tokens) < self.block_size]:
+            block = self.blocks[old]
+            if tokens[: len(block.tokens)] == block.tokens and (has_features or block.features is None):
+                self._remove(old)
+        k, v, features = read(i, len(tokens))
+        block = Block(parent, tokens, k, v, features)
+        if not self._make_room(block.nbytes):
+            return False
+        self.blocks[key] = block
+        self.children.setdefault(parent, set()).add(key)
+        self.bytes_used += block.nbytes
+        return True
+
+    def _remove(self, key: int) -> Block:
+        block = self.blocks.pop(key)
+        self.bytes_used -= block.nbytes
+        siblings = self.children.get(block.parent)
+        if siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self.children[block.parent]
+        return block
 
     def _refresh(self, keys: list[int]) -> None:
         """Most recently used: the chain's first block last, so tails are evicted before heads."""
@@ -140,6 +212,5 @@ class PrefixCache:
         if nbytes > self.max_bytes:
             return False
         while self.bytes_used + nbytes > self.max_bytes:
-            _, old = self.blocks.popitem(last=False)
-            self.bytes_used -= old.nbytes
+            self._remove(next(iter(self.blocks)))
         return True
