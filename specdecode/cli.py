@@ -8,7 +8,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from specdecode.config import METHODS
+from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB, METHODS
 from specdecode.fetch import KNOWN_MODELS, FetchError
 from specdecode.log import cli_logging, verbosity_level
 
@@ -74,9 +74,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="prefill every prompt in full (default: reuse the K/V of earlier prompts and answers that "
                         "start the same, e.g. a shared system prompt or the earlier turns of a chat)")
-    p.add_argument("--prefix-cache-gb", type=float, default=1.0,
+    p.add_argument("--prefix-cache-gb", type=float, default=DEFAULT_POOL_GB,
                    help="memory bound of the prefix cache's pool in GiB (default: %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help="at most this many prompt tokens prefilled per step while other requests decode: a "
                         "longer prompt is prefilled in chunks between their steps, each costing about 1.5 of their "
                         "steps (measured); 0 = whole prompts at once (default: %(default)s)")

@@ -14,6 +14,10 @@ NEEDS_MODEL = {"draft": "the draft model to run"}
 DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int8-dynamic", "int4", "gguf", "int4-hybrid")
 """Draft weight formats: specdecode.model.fast_linear.QUANTIZATIONS ("gguf": a .gguf draft's own blocks),
 "int4-hybrid" (int4 for a few tokens, bf16 for prefill) and "auto" (the CPU's fastest single-token path)."""
+DEFAULT_POOL_GB = 1.0
+"""Memory bound of the prefix cache's pool (`LLM(prefix_cache_gb=)`, `--prefix-cache-gb`)."""
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+"""Prompt tokens per step while others decode: on a CPU a chunk this long costs a few decode steps."""
 
 
 @dataclass(frozen=True)

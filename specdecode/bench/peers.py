@@ -1,4 +1,5 @@
-"""Other engines on the same prompts: Hugging Face transformers and llama.cpp (llama-cpp-python or llama-cpp-cffi).
+"""Other engines on the same prompts: Hugging Face transformers, llama.cpp (llama-cpp-python or llama-cpp-cffi)
+and llama.cpp's own server (`llama-server`).
 
 Each peer is an object that lists its method names without loading anything, loads its
 models in ``open()``, and hands the harness one ``generate(prompt_ids) -> output_ids``
@@ -28,12 +29,28 @@ llama.cpp peer uses ``llama`` (llama-cpp-cffi, a binary wheel with a prebuilt CP
 ``specdecode.bench.llamacpp_cffi``) instead: the same GGUF, prompt ids, greedy token loop and stops
 on llama.cpp's C API. That binding has no speculative decoding, so it gives ``llamacpp-plain`` only.
 Each method's settings name the binding and its version.
+
+The ``llama-server`` peer runs llama.cpp as its users serve it: the `llama-server` binary
+(``benchmarks/build_llama_server.sh`` builds it from the vendored sources of the llama-cpp-python
+sdist; found through ``$SPECDECODE_LLAMA_SERVER``, the user cache or ``PATH``), one server per method,
+greedy ``/completion`` requests with the prompt's token ids and no prompt cache between requests:
+
+- ``llamaserver-plain``: no speculation.
+- ``llamaserver-ngram-simple``: ``--spec-type ngram-simple`` at its defaults.
+- ``llamaserver-draft``: ``-md DRAFT --spec-type draft-simple`` at its defaults (with a GGUF draft).
+
+Each method's settings record the server's peak RSS (``VmHWM``) after its last request.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +60,10 @@ import torch
 
 from specdecode.bench.llamacpp_draft import DRAFT_TOKENS, LlamaDraftLlama
 
-PEERS: tuple[str, ...] = ("transformers", "llama.cpp")
+PEERS: tuple[str, ...] = ("transformers", "llama.cpp", "llama-server")
 PEER_ALIASES = {"transformers": "transformers", "hf": "transformers", "llama.cpp": "llama.cpp",
-                "llamacpp": "llama.cpp", "llama_cpp": "llama.cpp"}
+                "llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "llama-server": "llama-server",
+                "llamaserver": "llama-server"}
 
 GenerateFn = Callable[[list[int]], list[int]]
 
@@ -318,7 +336,131 @@ class LlamaCppPeer(Peer):
         super().close()
 
 
-PEER_CLASSES: dict[str, type[Peer]] = {"transformers": TransformersPeer, "llama.cpp": LlamaCppPeer}
+def llama_server_binary() -> Path | None:
+    """`$SPECDECODE_LLAMA_SERVER`, else the build script's output in the user cache, else `llama-server` on PATH."""
+    env = os.environ.get("SPECDECODE_LLAMA_SERVER")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    cached = Path.home() / ".cache" / "specdecode" / "llama-server" / "bin" / "llama-server"
+    if cached.is_file():
+        return cached
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _peak_rss_bytes(pid: int) -> int | None:
+    """A process's peak resident set (VmHWM), or None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class LlamaServerPeer(Peer):
+    name = "llama-server"
+
+    def __init__(self, ctx: PeerContext) -> None:
+        super().__init__(ctx)
+        self.binary = llama_server_binary()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def available(self) -> str | None:
+        if self.binary is None:
+            return ("llama-server: skipped, no llama-server binary (benchmarks/build_llama_server.sh builds one; "
+                    "or set SPECDECODE_LLAMA_SERVER)")
+        if self.ctx.target_path.is_dir() or self.ctx.target_path.suffix != ".gguf":
+            return f"llama-server: skipped, it needs a GGUF target (got {self.ctx.target_path})"
+        return None
+
+    def _variants(self) -> dict[str, list[str]]:
+        out = {"llamaserver-plain": [], "llamaserver-ngram-simple": ["--spec-type", "ngram-simple"]}
+        draft = self.ctx.draft_path
+        if draft is not None and draft.suffix == ".gguf" and draft.is_file():
+            out["llamaserver-draft"] = ["-md", str(draft), "--spec-type", "draft-simple"]
+        return out
+
+    def method_names(self) -> list[str]:
+        return list(self._variants())
+
+    def _start(self, extra: list[str]) -> None:
+        """A fresh server for one method (the previous one stopped first)."""
+        import httpx
+
+        self._stop()
+        ctx, port = self.ctx, _free_port()
+        n_ctx = max(4096, ctx.max_prompt_tokens + ctx.max_tokens + 16)
+        cmd = [str(self.binary), "-m", str(ctx.target_path), "-t", str(ctx.threads), "-c", str(n_ctx), "-np", "1",
+               "--host", "127.0.0.1", "--port", str(port), "--no-webui", "-ngl", "0", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
+                raise RuntimeError(f"llama-server exited ({self.proc.returncode}): {err}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("llama-server did not become healthy within 600 s")
+
+    def _stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.proc = None
+
+    def _make(self, settings: dict[str, Any]) -> GenerateFn:
+        import httpx
+
+        ctx = self.ctx
+
+        def generate(ids: list[int]) -> list[int]:
+            assert self.proc is not None
+            body = {"prompt": ids, "n_predict": ctx.max_tokens, "temperature": 0.0, "top_k": 1, "seed": ctx.seed,
+                    "cache_prompt": False, "return_tokens": True, "stream": False}
+            r = httpx.post(f"{self.url}/completion", json=body, timeout=3600)
+            r.raise_for_status()
+            out = r.json()
+            tokens = [int(t) for t in out.get("tokens") or []]
+            if out.get("stop_type") == "eos" and ctx.eos_token_id is not None and len(tokens) < ctx.max_tokens:
+                tokens.append(ctx.eos_token_id)  # our engines count the end-of-turn token they stop at
+            settings["server_peak_rss_bytes"] = _peak_rss_bytes(self.proc.pid)
+            return tokens
+
+        return generate
+
+    def open(self) -> list[PeerMethod]:
+        methods = []
+        for name, extra in self._variants().items():
+            settings: dict[str, Any] = {"binary": str(self.binary), "args": " ".join(extra) or "(none)",
+                                        "threads": self.ctx.threads}
+            methods.append(PeerMethod(name, self._make(settings), settings,
+                                      prepare=lambda extra=extra: self._start(extra)))
+        return methods
+
+    def close(self) -> None:
+        self._stop()
+        super().close()
+
+
+PEER_CLASSES: dict[str, type[Peer]] = {"transformers": TransformersPeer, "llama.cpp": LlamaCppPeer,
+                                       "llama-server": LlamaServerPeer}
 
 
 def parse_peers(names: list[str]) -> list[str]:

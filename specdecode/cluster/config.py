@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from specdecode.cluster.routing import DEFAULT_PREFIX_CHARS
+from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB
 
 
 @dataclass
@@ -25,8 +26,8 @@ class ClusterConfig:
     default_max_tokens: int = 256
     max_body_bytes: int = 1 << 20
     enable_prefix_caching: bool = True
-    prefix_cache_gb: float = 1.0
-    max_num_batched_tokens: int = 256
+    prefix_cache_gb: float = DEFAULT_POOL_GB
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     """0: whole prompts at once (no chunked prefill)."""
     # ---- replicas ----
     replicas: int = 1

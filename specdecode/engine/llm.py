@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from specdecode.config import SpeculativeConfig
+from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB, SpeculativeConfig
 from specdecode.engine.adaptive import CostModel
 from specdecode.engine.core import Engine
 from specdecode.engine.measure import CostMeasurement
-from specdecode.engine.prefix_cache import DEFAULT_POOL_GB, PrefixCache
+from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.sequence import RequestOutput, Sequence
 from specdecode.engine.validation import (
     check_draft_rows,
@@ -49,8 +49,6 @@ from specdecode.tree import MAX_TREE_NODES
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
-"""Prompt tokens per step while others decode: on a CPU a chunk this long costs a few decode steps."""
 
 Prompt = str | list[int] | dict[str, Any]
 """Text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids}."""
@@ -79,6 +77,9 @@ class LLM:
         max_num_batched_tokens: at most this many prompt tokens prefilled per step while other requests decode
             (a longer prompt is prefilled in chunks between their steps, each sized to cost about 1.5 of their
             steps); None or 0: whole prompts at once.
+        batch_invariant: compute every token of the target's forwards as if alone (fp32 only): logits and
+            logprobs then have the same bits with speculation on or off, in any batch, cached or not, at the
+            cost of one pass over the weights per token (`Transformer.make_batch_invariant`).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         prefix_cache_gb: float = DEFAULT_POOL_GB,
         max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        batch_invariant: bool = False,
     ) -> None:
         if prefix_cache_gb < 0:
             raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
@@ -103,6 +105,9 @@ class LLM:
         self.spec = SpeculativeConfig.from_any(speculative_config)
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = parse_dtype(dtype)
+        if batch_invariant and (self.dtype != torch.float32 or quantization != "none"):
+            raise ValueError("batch_invariant needs dtype='fp32' and quantization='none' (it computes the target's "
+                             f"fp32 linears row by row), got dtype={dtype!r}, quantization={quantization!r}")
         self.seed = seed
         self._ids = itertools.count()
 
@@ -136,6 +141,8 @@ class LLM:
                 self.target.model.capture_layers = tuple(self.head.config.feature_layers)
             convert_linears(self.head, draft_linear_format(spec.quantization, self.dtype, self.device))
         convert_linears(self.target.model, target_linear_format(quantization, self.dtype, self.device))
+        if batch_invariant:
+            self.target.model.make_batch_invariant()
         self.draft: LoadedModel | None = None
         self.proposer_factory: Callable[[], Proposer] | None = None
         """One sequence's proposer (the benchmark's single-request tools; tests of per-row drafting)."""

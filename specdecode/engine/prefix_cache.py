@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_POOL_GB = 1.0
 
 
 def chain_hashes(tokens: list[int], block_size: int, parent: int | None = None) -> list[int]:

@@ -170,10 +170,23 @@ def row_attention(
     return out
 
 
+class RowwiseLinear(nn.Linear):
+    """A Linear applied to one row at a time, each as a single-token decode applies it. A matrix product's
+    kernel (and so its rounding) depends on how many rows it multiplies; one row at a time, a token's result
+    is the same whatever else the forward holds (`Transformer.make_batch_invariant`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [N, in]
+        out = torch.cat([F.linear(r, self.weight, self.bias) for r in rows.split(1)])  # [N, out]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.rowwise = False
+        """Attend query by query at any length (batch-invariant mode), not only up to EXACT_ATTENTION_TOKENS."""
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         d = cfg.hidden_size
         self.q_proj = nn.Linear(d, self.n_heads * self.hd, bias=cfg.attention_bias)
@@ -246,7 +259,7 @@ class Attention(nn.Module):
             keys, values = cache.read(self.layer_idx, kv_len)  # [B, kvh, S, hd]
         if fused:
             return self.o_proj(native_kernels.attend(q, keys, values, mask, self.scale))
-        if t <= EXACT_ATTENTION_TOKENS and q.device.type == "cpu":
+        if self.rowwise or (t <= EXACT_ATTENTION_TOKENS and q.device.type == "cpu"):
             out = row_attention(q, keys, values, mask, self.scale, self.softcap)
         elif t <= SMALL_ATTENTION_TOKENS or self.softcap is not None:
             # CUDA: a Python loop over rows would cost more than the forward. SDPA has no soft-capping.
@@ -338,12 +351,28 @@ class Transformer(nn.Module):
         the low, middle and high features a fused-feature (EAGLE-3 style) head reads."""
         self.captured: torch.Tensor | None = None
         """The last forward's residual stream entering each capture layer, concatenated [B, T, len * D]."""
+        self.batch_invariant = False
+        """Every token computed as if alone (`make_batch_invariant`)."""
 
     def fuse_projections(self) -> Transformer:
         """Fuse q/k/v and gate/up in every layer (after loading; state-dict names are HF's before)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        return self
+
+    def make_batch_invariant(self) -> Transformer:
+        """Compute every token of a forward as if it were alone: linears row by row, attention query by query.
+        A token's logits (and K/V) then have the same bits in a decode step, a verified draft, a tree, a prompt
+        prefilled whole or by chunks, or a batch of any rows, so logprobs are identical with speculation on or
+        off. The price is one pass over the weights per row instead of per forward: an exactness mode for
+        fp32 checks and evaluations, as vLLM's batch-invariant mode is."""
+        for m in self.modules():
+            if type(m) is nn.Linear:
+                m.__class__ = RowwiseLinear
+            elif isinstance(m, Attention):
+                m.rowwise = True
+        self.batch_invariant = True
         return self
 
     @property
@@ -389,7 +418,8 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         if cfg.gemma_norms:  # Gemma: embeddings times sqrt(hidden_size), rounded to the weights' dtype
             x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
-        stack = native_stack.stack_for(self, x, cache) if tokens.shape[1] <= EXACT_ATTENTION_TOKENS else None
+        few = tokens.shape[1] <= EXACT_ATTENTION_TOKENS and not self.batch_invariant
+        stack = native_stack.stack_for(self, x, cache) if few else None
         caps = self.capture_layers
         if stack is not None:  # decode / verification on CPU: every layer in one native call, same bits
             # (plain_layers: every layer has the window or none does)
