@@ -39,6 +39,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "on CPU) and int4 change the model (speculation stays lossless relative to the "
                         "quantized target); gguf runs a GGUF file's own quantized blocks (AVX512-VNNI or AVX2 kernels)")
     p.add_argument("--num-speculative-tokens", default=None, help='k, or "auto" (default)')
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="compute every token of the target's forwards as if alone (--dtype fp32): logits and "
+                        "logprobs have the same bits with speculation on or off, in any batch, at the cost of "
+                        "one pass over the weights per token")
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -165,7 +169,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = sampling_params_from_args(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              speculative_config=speculative_config_from_args(args), quantization=args.quantization)
+              speculative_config=speculative_config_from_args(args), quantization=args.quantization,
+              batch_invariant=args.batch_invariant)
     if args.chat:
         prompt = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])
     else:

@@ -82,7 +82,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               speculative_config=speculative_config_from_args(args), seed=args.seed, quantization=args.quantization,
-              max_num_seqs=args.max_num_seqs, **cache_kwargs(args))  # the measurement covers the server's batch
+              max_num_seqs=args.max_num_seqs, batch_invariant=args.batch_invariant,
+              **cache_kwargs(args))  # the measurement covers the server's batch
     app = build_app(llm, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                     served_model_name=args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
