@@ -3,7 +3,8 @@
 A run over several datasets (e.g. ``--dataset spec_bench+humaneval --per-task 10,code=20``) is split by dataset
 (HumanEval's task is ``code``; every other task is Spec-Bench's); for each dataset and method: mean tokens/s over
 prompts, the ratio to the best peer method of that dataset and to a named plain method, and how many prompts give
-exactly the reference method's tokens.
+exactly the reference method's tokens. An answer ends at its first end-of-turn token (the run's EOS): a record
+holding tokens after it is counted up to it.
 
     python benchmarks/peer_ratios.py bench-out/gguf-vs-llamacpp [--plain plain@gguf] [--peer-prefix llamaserver-]
 """
@@ -28,11 +29,15 @@ def main() -> None:
     p.add_argument("--peer-prefix", default="llamaserver-", help="peer methods: names starting with this")
     args = p.parse_args()
     records = [json.loads(line) for line in (args.out / "records.jsonl").read_text().splitlines() if line.strip()]
+    eos = json.loads((args.out / "run-state.json").read_text()).get("eos_token_id")
     speed: dict[tuple[str, str], list[float]] = defaultdict(list)
     tokens: dict[tuple[str, str, str], list[int]] = {}
     for r in records:
-        speed[(dataset_of(r), r["method"])].append(r["tokens_per_second"])
-        tokens[(dataset_of(r), r["method"], f'{r["task"]}/{r["source_id"]}')] = r["token_ids"]
+        ids = r["token_ids"]
+        if eos in ids:
+            ids = ids[: ids.index(eos) + 1]
+        speed[(dataset_of(r), r["method"])].append(len(ids) / r["seconds"])
+        tokens[(dataset_of(r), r["method"], f'{r["task"]}/{r["source_id"]}')] = ids
     for dataset in sorted({d for d, _ in speed}):
         methods = [m for d, m in speed if d == dataset]
         mean = {m: statistics.fmean(speed[(dataset, m)]) for m in methods}

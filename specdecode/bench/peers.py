@@ -437,11 +437,8 @@ class LlamaServerPeer(Peer):
             r = httpx.post(f"{self.url}/completion", json=body, timeout=3600)
             r.raise_for_status()
             out = r.json()
-            tokens = [int(t) for t in out.get("tokens") or []]
-            if out.get("stop_type") == "eos" and ctx.eos_token_id is not None and len(tokens) < ctx.max_tokens:
-                tokens.append(ctx.eos_token_id)  # our engines count the end-of-turn token they stop at
             settings["server_peak_rss_bytes"] = _peak_rss_bytes(self.proc.pid)
-            return tokens
+            return [int(t) for t in out.get("tokens") or []]  # the end-of-turn token it stopped at included
 
         return generate
 
