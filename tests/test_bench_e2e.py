@@ -277,3 +277,64 @@ def test_resumed_run_probes_bandwidth_every_session(tiny_llama_dir: Path, tmp_pa
     summary = json.loads((tmp_path / "rounds" / "summary.json").read_text())
     assert summary["bandwidth"]["probes_read_gb_per_s"] == [50.0, 20.0, 40.0]
     assert summary["bandwidth"]["read_gb_per_s"] == 40.0
+
+
+FAKE_LLAMA_SERVER = '''#!PYTHON
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+spec = "--spec-type" in args
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._send({"status": "ok"})
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert req["cache_prompt"] is False and req["temperature"] == 0.0
+        out = [t + 1 for t in req["prompt"]][: req["n_predict"] - 1] + [2]
+        self._send({"tokens": out, "stop_type": "eos", "spec": spec})
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_llama_server_peer_runs_one_server_per_method(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The llama-server peer with a stand-in binary: a server per method (plain, ngram-simple, draft with a GGUF
+    draft), the prompt's ids in, the answer's ids out (the end token it stopped at included), its peak RSS kept."""
+    import sys
+
+    from specdecode.bench.peers import PeerContext, make_peers
+
+    ctx = PeerContext(target_path=tmp_path / "t.gguf", draft_path=tmp_path / "d.gguf", eos_token_id=2, max_tokens=8)
+    monkeypatch.setenv("SPECDECODE_LLAMA_SERVER", str(tmp_path / "missing"))
+    assert make_peers(["llama-server"], ctx) == ([], [
+        "llama-server: skipped, no llama-server binary (benchmarks/build_llama_server.sh builds one; "
+        "or set SPECDECODE_LLAMA_SERVER)"])
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAKE_LLAMA_SERVER.replace("PYTHON", sys.executable))
+    binary.chmod(0o755)
+    for name in ("t.gguf", "d.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    monkeypatch.setenv("SPECDECODE_LLAMA_SERVER", str(binary))
+    (peer,), notes = make_peers(["llamaserver"], ctx)
+    assert notes == [] and peer.method_names() == ["llamaserver-plain", "llamaserver-ngram-simple",
+                                                   "llamaserver-draft"]
+    try:
+        methods = peer.open()
+        for m in methods:
+            assert m.prepare is not None
+            m.prepare()
+            assert m.generate([5, 6, 7]) == [6, 7, 8, 2]
+            assert m.settings["server_peak_rss_bytes"] > 0
+        assert methods[2].settings["args"] == f"-md {tmp_path / 'd.gguf'} --spec-type draft-simple"
+    finally:
+        peer.close()
+    assert peer.proc is None
