@@ -37,9 +37,10 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from serve_load import _free_port, run_level  # noqa: E402
+from serve_load import run_level  # noqa: E402
 
 from specdecode.bench.datasets import DATASETS, load_prompts  # noqa: E402
+from specdecode.bench.process import free_port  # noqa: E402
 from specdecode.cli import _add_model_args  # noqa: E402
 
 
@@ -72,7 +73,7 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
 
 
 def start(setup: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     rows = args.max_num_seqs or args.concurrency
     common = [*_model_flags(args), "--port", str(port), "--max-num-seqs", str(rows), "--max-waiting",
               str(4 * args.concurrency), "--log-level", "warning"]

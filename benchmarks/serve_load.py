@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdecode.bench.datasets import DATASETS, load_prompts  # noqa: E402
+from specdecode.bench.process import free_port, wait_healthy  # noqa: E402
 from specdecode.cli import _add_model_args  # noqa: E402
 
 
@@ -68,16 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- server ----------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args: argparse.Namespace, max_num_seqs: int,
                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """`specdecode serve` with the model flags of `args` (and `extra` flags) on a free port, once healthy."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--dtype", args.dtype,
            "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs),
            "--log-level", "warning", *extra]
@@ -90,18 +84,12 @@ def start_server(args: argparse.Namespace, max_num_seqs: int,
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise TimeoutError("the server did not become healthy")
+    try:
+        wait_healthy(proc, url, args.startup_timeout)
+    except TimeoutError:
+        proc.terminate()
+        raise
+    return proc, url
 
 
 # ---- client ----------------------------------------------------------------------------------------------------

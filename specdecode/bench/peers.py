@@ -48,9 +48,7 @@ import gc
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +57,7 @@ from typing import Any
 import torch
 
 from specdecode.bench.llamacpp_draft import DRAFT_TOKENS, LlamaDraftLlama
+from specdecode.bench.process import free_port, status_bytes, wait_healthy
 
 PEERS: tuple[str, ...] = ("transformers", "llama.cpp", "llama-server")
 PEER_ALIASES = {"transformers": "transformers", "hf": "transformers", "llama.cpp": "llama.cpp",
@@ -348,23 +347,6 @@ def llama_server_binary() -> Path | None:
     return Path(found) if found else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _peak_rss_bytes(pid: int) -> int | None:
-    """A process's peak resident set (VmHWM), or None once it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class LlamaServerPeer(Peer):
     name = "llama-server"
 
@@ -394,27 +376,18 @@ class LlamaServerPeer(Peer):
 
     def _start(self, extra: list[str]) -> None:
         """A fresh server for one method (the previous one stopped first)."""
-        import httpx
-
         self._stop()
-        ctx, port = self.ctx, _free_port()
+        ctx, port = self.ctx, free_port()
         n_ctx = max(4096, ctx.max_prompt_tokens + ctx.max_tokens + 16)
         cmd = [str(self.binary), "-m", str(ctx.target_path), "-t", str(ctx.threads), "-c", str(n_ctx), "-np", "1",
                "--host", "127.0.0.1", "--port", str(port), "--no-webui", "-ngl", "0", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}): {err}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("llama-server did not become healthy within 600 s")
+        try:
+            wait_healthy(self.proc, self.url, 600)
+        except RuntimeError as exc:
+            err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
+            raise RuntimeError(f"llama-server: {exc}: {err}") from exc
 
     def _stop(self) -> None:
         if self.proc is not None:
@@ -437,7 +410,7 @@ class LlamaServerPeer(Peer):
             r = httpx.post(f"{self.url}/completion", json=body, timeout=3600)
             r.raise_for_status()
             out = r.json()
-            settings["server_peak_rss_bytes"] = _peak_rss_bytes(self.proc.pid)
+            settings["server_peak_rss_bytes"] = status_bytes("VmHWM", self.proc.pid)
             return [int(t) for t in out.get("tokens") or []]  # the end-of-turn token it stopped at included
 
         return generate
