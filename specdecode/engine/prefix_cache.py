@@ -120,6 +120,7 @@ class PrefixCache:
 
     def _match(self, tokens: list[int], limit: int, need_features: bool) -> list[Block]:
         found: list[Block] = []
+        keys: list[int] = []  # the matched blocks' keys
         parent = None
         for key in chain_hashes(tokens[:limit], self.block_size):
             block = self.blocks.get(key)
@@ -128,8 +129,8 @@ class PrefixCache:
                     or (need_features and block.features is None)):
                 break
             found.append(block)
+            keys.append(key)
             parent = key
-        keys = chain_hashes(tokens[: len(found) * self.block_size], self.block_size)
         rest = tokens[len(found) * self.block_size : limit]
         best, shared = None, 0
         for key in self.children.get(parent, ()) if rest else ():
