@@ -51,12 +51,16 @@ typedef struct {
     gguf_part_t parts[4];
 } gguf_linear_t;
 
-typedef struct {  // one row's quantized activations
-    const int8_t* q;      // [K]
-    const float* d;       // [K / 32] scales
-    const float* fs;      // [K / 32] d * (sum of the block's integers)
-    const int32_t* bs16;  // [K / 16] sums of 16 integers
+typedef struct {  // one row's block of 32 activations, quantized (48 bytes)
+    int8_t q[32];
+    float d;          // scale
+    float fs;         // d * (sum of the 32 integers)
+    int32_t bs16[2];  // sums of each 16 integers
 } act_t;
+
+// The kernels see a group of R rows (R <= ROWS_MAX) block-major: block b of row r at a[b * R + r], so a
+// tile's loop over the rows of one block reads consecutive memory at offsets fixed by R from one pointer.
+#define ACT(b) a[(b) * R + r]
 
 static inline float bits_f32(uint32_t u) {
     float f;

@@ -7,14 +7,13 @@ ISA_FN void gguf_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const v
                       int64_t N, void* y, int y_is_f32, int threads) {
     const gguf_linear_t* lin = (const gguf_linear_t*)lin_;
     const int64_t nb32 = K / 32;
-    int8_t* q = (int8_t*)malloc((size_t)(M * K));
-    float* d = (float*)malloc((size_t)(M * nb32 * 2) * sizeof(float));
-    int32_t* bs16 = (int32_t*)malloc((size_t)(M * nb32 * 2) * sizeof(int32_t));
+    act_t* acts = (act_t*)malloc((size_t)(M * nb32) * sizeof(act_t));  // groups of ROWS_MAX rows, block-major
     const size_t xsz = x_is_f32 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (M >= 8)
-    for (int64_t m = 0; m < M; m++)
-        quantize_row((const char*)x + (size_t)(m * K) * xsz, x_is_f32, K, q + m * K, d + m * 2 * nb32,
-                     d + m * 2 * nb32 + nb32, bs16 + m * 2 * nb32);
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t r0 = m - m % ROWS_MAX, R = M - r0 < ROWS_MAX ? M - r0 : ROWS_MAX;
+        quantize_row((const char*)x + (size_t)(m * K) * xsz, x_is_f32, K, acts + r0 * nb32 + m - r0, R);
+    }
     int64_t tiles = 0;
     for (int64_t i = 0; i < lin->n_parts; i++) tiles += lin->parts[i].n / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -33,13 +32,8 @@ ISA_FN void gguf_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const v
         for (int c = 0; c < 16; c++) bv[c] = bias ? bf16_to_f32(bias[col + c]) : 0.0f;
         for (int64_t r0 = 0; r0 < M; r0 += ROWS_MAX) {
             const int R = (int)(M - r0 < ROWS_MAX ? M - r0 : ROWS_MAX);
-            act_t a[ROWS_MAX];
-            for (int r = 0; r < R; r++) {
-                const int64_t m = r0 + r;
-                a[r] = (act_t){q + m * K, d + m * 2 * nb32, d + m * 2 * nb32 + nb32, bs16 + m * 2 * nb32};
-            }
             float out[ROWS_MAX][16];
-            tile_rows_out(R, pt->type, p, K, a, out);
+            tile_rows_out(R, pt->type, p, K, acts + r0 * nb32, out);
             for (int r = 0; r < R; r++) {
                 const int64_t base = (r0 + r) * N + col;
                 for (int c = 0; c < 16; c++) {
@@ -52,7 +46,5 @@ ISA_FN void gguf_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const v
             }
         }
     }
-    free(bs16);
-    free(d);
-    free(q);
+    free(acts);
 }

@@ -19,9 +19,9 @@ int gguf_supported(void) {
 const char* gguf_isa(void) { return "avx512"; }
 
 // Row x (K values) -> int8 per block of 32: d = max|x| / 127, q = round-to-even(x / d).
-TARGET static void quantize_row(const void* x, int x_is_f32, int64_t K, int8_t* q, float* d, float* fs,
-                                int32_t* bs16) {
+TARGET static void quantize_row(const void* x, int x_is_f32, int64_t K, act_t* out, int64_t stride) {
     for (int64_t b = 0; b < K / 32; b++) {
+        act_t* o = out + b * stride;
         __m512 v0, v1;
         if (x_is_f32) {
             v0 = _mm512_loadu_ps((const float*)x + 32 * b);
@@ -36,13 +36,13 @@ TARGET static void quantize_row(const void* x, int x_is_f32, int64_t K, int8_t* 
         const float db = amax / 127.0f;
         const __m512 inv = _mm512_set1_ps(db > 0.0f ? 127.0f / amax : 0.0f);
         const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-        _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtsepi32_epi8(i0));
-        _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
+        _mm_storeu_si128((__m128i*)(o->q), _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128((__m128i*)(o->q + 16), _mm512_cvtsepi32_epi8(i1));
         const int32_t s0 = _mm512_reduce_add_epi32(i0), s1 = _mm512_reduce_add_epi32(i1);
-        bs16[2 * b] = s0;
-        bs16[2 * b + 1] = s1;
-        d[b] = db;
-        fs[b] = db * (float)(s0 + s1);
+        o->bs16[0] = s0;
+        o->bs16[1] = s1;
+        o->d = db;
+        o->fs = db * (float)(s0 + s1);
     }
 }
 
@@ -87,8 +87,9 @@ INLINE const uint8_t* decode_sub(const uint8_t* p, int hi, __m512i* w) {
 
 INLINE __m512 h16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
-// acc[r] (16 channels) += this tile's products with rows a[0..R) over all of K.
-#define ROWS_LOOP for (int r = 0; r < R; r++)
+// acc[r] (16 channels) += this tile's products with the R rows of `a` over all of K. Unrolled, so that the
+// accumulators stay in registers and each row's activations are read at fixed offsets.
+#define ROWS_LOOP _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
 
 INLINE void tile_simple(int64_t type, const uint8_t* p, int64_t nb, const act_t* a, int R, __m512* acc) {
     __m512i w[8];
@@ -109,10 +110,10 @@ INLINE void tile_simple(int64_t type, const uint8_t* p, int64_t nb, const act_t*
             p = decode_sub(p, hi, w);
         }
         ROWS_LOOP {
-            const __m512i init = _mm512_set1_epi32(off * (a[r].bs16[2 * b] + a[r].bs16[2 * b + 1]));
-            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot32(w, a[r].q + 32 * b, init)), _mm512_set1_ps(a[r].d[b]));
+            const __m512i init = _mm512_set1_epi32(off * (ACT(b).bs16[0] + ACT(b).bs16[1]));
+            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot32(w, ACT(b).q, init)), _mm512_set1_ps(ACT(b).d));
             acc[r] = _mm512_fmadd_ps(s, dw, acc[r]);
-            if (type == Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[r].fs[b]), acc[r]);
+            if (type == Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ACT(b).fs), acc[r]);
         }
     }
 }
@@ -139,10 +140,10 @@ INLINE void tile_q45k(int64_t type, const uint8_t* p, int64_t nb, const act_t* a
             p = decode_sub(p, hi, w);
             const int64_t blk = 8 * b + j;
             ROWS_LOOP {
-                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot32(w, a[r].q + 32 * blk, _mm512_setzero_si512())),
-                                               _mm512_set1_ps(a[r].d[blk]));
+                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot32(w, ACT(blk).q, _mm512_setzero_si512())),
+                                               _mm512_set1_ps(ACT(blk).d));
                 acc[r] = _mm512_fmadd_ps(s, dsc, acc[r]);
-                acc[r] = _mm512_fnmadd_ps(dmn, _mm512_set1_ps(a[r].fs[blk]), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(dmn, _mm512_set1_ps(ACT(blk).fs), acc[r]);
             }
         }
     }
@@ -163,12 +164,12 @@ INLINE void tile_q6k(const uint8_t* p, int64_t nb, const act_t* a, int R, __m512
             p = decode_sub(p, 2, w);
             const int64_t blk = 8 * b + j;
             ROWS_LOOP {
-                const int8_t* q = a[r].q + 32 * blk;
-                const __m512i i0 = dot16(w, q, _mm512_set1_epi32(-32 * a[r].bs16[2 * blk]));
-                const __m512i i1 = dot16(w + 4, q + 16, _mm512_set1_epi32(-32 * a[r].bs16[2 * blk + 1]));
+                const int8_t* q = ACT(blk).q;
+                const __m512i i0 = dot16(w, q, _mm512_set1_epi32(-32 * ACT(blk).bs16[0]));
+                const __m512i i1 = dot16(w + 4, q + 16, _mm512_set1_epi32(-32 * ACT(blk).bs16[1]));
                 __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), s0);
                 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), s1, t);
-                acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a[r].d[blk]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(ACT(blk).d), acc[r]);
             }
         }
     }

@@ -43,10 +43,11 @@ INLINE int32_t hsum8(__m256i v) {
 }
 
 // Row x (K values) -> int8 per block of 32: d = max|x| / 127, q = round-to-even(x / d).
-static void quantize_row(const void* x, int x_is_f32, int64_t K, int8_t* q, float* d, float* fs, int32_t* bs16) {
+static void quantize_row(const void* x, int x_is_f32, int64_t K, act_t* out, int64_t stride) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' per-lane order
     for (int64_t b = 0; b < K / 32; b++) {
+        act_t* o = out + b * stride;
         __m256 v[4];
         for (int i = 0; i < 4; i++) {
             if (x_is_f32) {
@@ -64,12 +65,12 @@ static void quantize_row(const void* x, int x_is_f32, int64_t K, int8_t* q, floa
         __m256i i[4];
         for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
         const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-        _mm256_storeu_si256((__m256i*)(q + 32 * b), _mm256_permutevar8x32_epi32(p, order));
+        _mm256_storeu_si256((__m256i*)(o->q), _mm256_permutevar8x32_epi32(p, order));
         const int32_t s0 = hsum8(_mm256_add_epi32(i[0], i[1])), s1 = hsum8(_mm256_add_epi32(i[2], i[3]));
-        bs16[2 * b] = s0;
-        bs16[2 * b + 1] = s1;
-        d[b] = db;
-        fs[b] = db * (float)(s0 + s1);
+        o->bs16[0] = s0;
+        o->bs16[1] = s1;
+        o->d = db;
+        o->fs = db * (float)(s0 + s1);
     }
 }
 
@@ -183,17 +184,17 @@ INLINE void tile_simple(int64_t type, const uint8_t* p, int64_t nb, const act_t*
             p = decode_sub(p, hi, h, w);
         }
         ROWS_LOOP {
-            const __m256i init = _mm256_set1_epi32(off * (a[r].bs16[2 * b] + a[r].bs16[2 * b + 1]));
+            const __m256i init = _mm256_set1_epi32(off * (ACT(b).bs16[0] + ACT(b).bs16[1]));
             __m256i isum;
 #ifndef __AVXVNNI__
             if (type == Q8_0)
-                isum = dot32_signed(w, ws, a[r].q + 32 * b, init);
+                isum = dot32_signed(w, ws, ACT(b).q, init);
             else
 #endif
-                isum = dot32(w, a[r].q + 32 * b, init, bits);
-            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(a[r].d[b]));
+                isum = dot32(w, ACT(b).q, init, bits);
+            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(ACT(b).d));
             acc[r] = _mm256_fmadd_ps(s, dw, acc[r]);
-            if (type == Q4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a[r].fs[b]), acc[r]);
+            if (type == Q4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ACT(b).fs), acc[r]);
         }
     }
 }
@@ -222,10 +223,10 @@ INLINE void tile_q45k(int64_t type, const uint8_t* p, int64_t nb, const act_t* a
             p = decode_sub(p, hi, h, w);
             const int64_t blk = 8 * b + j;
             ROWS_LOOP {
-                const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(dot32(w, a[r].q + 32 * blk, _mm256_setzero_si256(), bits)),
-                                               _mm256_set1_ps(a[r].d[blk]));
+                const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(dot32(w, ACT(blk).q, _mm256_setzero_si256(), bits)),
+                                               _mm256_set1_ps(ACT(blk).d));
                 acc[r] = _mm256_fmadd_ps(s, dsc, acc[r]);
-                acc[r] = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(a[r].fs[blk]), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(ACT(blk).fs), acc[r]);
             }
         }
     }
@@ -246,12 +247,12 @@ INLINE void tile_q6k(const uint8_t* p, int64_t nb, const act_t* a, int R, int h,
             p = decode_sub(p, 2, h, w);
             const int64_t blk = 8 * b + j;
             ROWS_LOOP {
-                const int8_t* q = a[r].q + 32 * blk;
-                const __m256i i0 = dot16(w, q, _mm256_set1_epi32(-32 * a[r].bs16[2 * blk]), 6);
-                const __m256i i1 = dot16(w + 4, q + 16, _mm256_set1_epi32(-32 * a[r].bs16[2 * blk + 1]), 6);
+                const int8_t* q = ACT(blk).q;
+                const __m256i i0 = dot16(w, q, _mm256_set1_epi32(-32 * ACT(blk).bs16[0]), 6);
+                const __m256i i1 = dot16(w + 4, q + 16, _mm256_set1_epi32(-32 * ACT(blk).bs16[1]), 6);
                 __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(i0), s0);
                 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), s1, t);
-                acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a[r].d[blk]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(ACT(blk).d), acc[r]);
             }
         }
     }

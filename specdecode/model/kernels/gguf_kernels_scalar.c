@@ -18,8 +18,9 @@ static inline int32_t round_even(float y) {
 }
 
 // Row x (K values) -> int8 per block of 32: d = max|x| / 127, q = round-to-even(x / d).
-static void quantize_row(const void* x, int x_is_f32, int64_t K, int8_t* q, float* d, float* fs, int32_t* bs16) {
+static void quantize_row(const void* x, int x_is_f32, int64_t K, act_t* out, int64_t stride) {
     for (int64_t b = 0; b < K / 32; b++) {
+        act_t* o = out + b * stride;
         float v[32], amax = 0.0f;
         for (int i = 0; i < 32; i++) {
             v[i] = x_is_f32 ? ((const float*)x)[32 * b + i] : bf16_to_f32(((const uint16_t*)x)[32 * b + i]);
@@ -30,13 +31,13 @@ static void quantize_row(const void* x, int x_is_f32, int64_t K, int8_t* q, floa
         for (int i = 0; i < 32; i++) {
             int32_t r = round_even(v[i] * inv);
             r = r > 127 ? 127 : r < -127 ? -127 : r;
-            q[32 * b + i] = (int8_t)r;
+            o->q[i] = (int8_t)r;
             s[i / 16] += r;
         }
-        bs16[2 * b] = s[0];
-        bs16[2 * b + 1] = s[1];
-        d[b] = db;
-        fs[b] = db * (float)(s[0] + s[1]);
+        o->bs16[0] = s[0];
+        o->bs16[1] = s[1];
+        o->d = db;
+        o->fs = db * (float)(s[0] + s[1]);
     }
 }
 
@@ -93,11 +94,11 @@ static void tile_simple(int64_t type, const uint8_t* p, int64_t nb, const act_t*
         }
         p = decode_sub(p, hi, codes);
         for (int r = 0; r < R; r++) {
-            const int32_t init = off * (a[r].bs16[2 * b] + a[r].bs16[2 * b + 1]);
+            const int32_t init = off * (ACT(b).bs16[0] + ACT(b).bs16[1]);
             for (int c = 0; c < 16; c++) {
-                const float s = (float)(init + idot(codes[c], a[r].q + 32 * b, 32)) * a[r].d[b];
+                const float s = (float)(init + idot(codes[c], ACT(b).q, 32)) * ACT(b).d;
                 acc[r][c] = fmaf(s, dw[c], acc[r][c]);
-                if (type == Q4_1) acc[r][c] = fmaf(mw[c], a[r].fs[b], acc[r][c]);
+                if (type == Q4_1) acc[r][c] = fmaf(mw[c], ACT(b).fs, acc[r][c]);
             }
         }
     }
@@ -132,9 +133,9 @@ static void tile_q45k(int64_t type, const uint8_t* p, int64_t nb, const act_t* a
             const int64_t blk = 8 * b + j;
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < 16; c++) {
-                    const float s = (float)idot(codes[c], a[r].q + 32 * blk, 32) * a[r].d[blk];
+                    const float s = (float)idot(codes[c], ACT(blk).q, 32) * ACT(blk).d;
                     acc[r][c] = fmaf(s, dsc[c], acc[r][c]);
-                    acc[r][c] = fmaf(-dmn[c], a[r].fs[blk], acc[r][c]);
+                    acc[r][c] = fmaf(-dmn[c], ACT(blk).fs, acc[r][c]);
                 }
         }
     }
@@ -151,13 +152,13 @@ static void tile_q6k(const uint8_t* p, int64_t nb, const act_t* a, int R, float 
             p = decode_sub(p, 2, codes);
             const int64_t blk = 8 * b + j;
             for (int r = 0; r < R; r++) {
-                const int8_t* q = a[r].q + 32 * blk;
+                const int8_t* q = ACT(blk).q;
                 for (int c = 0; c < 16; c++) {
                     const float s0 = d[c] * (float)scales[32 * j + c], s1 = d[c] * (float)scales[32 * j + 16 + c];
-                    const int32_t i0 = -32 * a[r].bs16[2 * blk] + idot(codes[c], q, 16);
-                    const int32_t i1 = -32 * a[r].bs16[2 * blk + 1] + idot(codes[c] + 16, q + 16, 16);
+                    const int32_t i0 = -32 * ACT(blk).bs16[0] + idot(codes[c], q, 16);
+                    const int32_t i1 = -32 * ACT(blk).bs16[1] + idot(codes[c] + 16, q + 16, 16);
                     const float t = fmaf((float)i1, s1, (float)i0 * s0);
-                    acc[r][c] = fmaf(t, a[r].d[blk], acc[r][c]);
+                    acc[r][c] = fmaf(t, ACT(blk).d, acc[r][c]);
                 }
             }
         }
