@@ -64,9 +64,20 @@ INLINE __m512i dot32(const __m512i* w, const int8_t* q, __m512i acc) {
     return dot16(w + 4, q + 16, dot16(w, q, acc));
 }
 
+// Software prefetch of the weight stream, this many bytes ahead of the bytes read now: a tile is one
+// sequential stream, but a sub-block's work for 16 rows is long enough that the out-of-order window sees
+// too few of the next loads to keep memory busy (with it a 16-row GEMM of the 1.5B's gate/up runs ~20%
+// faster, a 1-row one ~25%).
+#define PREFETCH_AHEAD 4096
+
+INLINE void prefetch_ahead(const uint8_t* p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+}
+
 // The 8 code vectors of a 32-weight sub-block: nibbles (256 bytes) then `hi` bit masks (64 bytes each).
 INLINE const uint8_t* decode_sub(const uint8_t* p, int hi, __m512i* w) {
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    prefetch_ahead(p, 256 + 64 * hi);
     for (int g = 0; g < 4; g++) {
         const __m512i v = _mm512_loadu_si512(p + 64 * g);
         w[2 * g] = _mm512_and_si512(v, lo4);
@@ -96,6 +107,7 @@ INLINE void tile_simple(int64_t type, const uint8_t* p, int64_t nb, const act_t*
     const int hi = type == Q5_0;
     const int off = type == Q4_0 ? -8 : type == Q5_0 ? -16 : type == Q8_0 ? -128 : 0;
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_ahead(p, type == Q4_1 ? 64 : 32);
         const __m512 dw = h16(p);
         __m512 mw = _mm512_setzero_ps();
         p += 32;
@@ -104,6 +116,7 @@ INLINE void tile_simple(int64_t type, const uint8_t* p, int64_t nb, const act_t*
             p += 32;
         }
         if (type == Q8_0) {
+            prefetch_ahead(p, 512);
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(p + 64 * j);
             p += 512;
         } else {
@@ -125,6 +138,7 @@ INLINE void tile_q45k(int64_t type, const uint8_t* p, int64_t nb, const act_t* a
     const __m512i m6 = _mm512_set1_epi8(0x3F), m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i ff = _mm512_set1_epi32(0xFF);
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_ahead(p, 256);
         const __m512 d = h16(p), dmin = h16(p + 32);
         const __m512i p0 = _mm512_loadu_si512(p + 64), p1 = _mm512_loadu_si512(p + 128), p2 = _mm512_loadu_si512(p + 192);
         p += 256;
@@ -153,6 +167,7 @@ INLINE void tile_q45k(int64_t type, const uint8_t* p, int64_t nb, const act_t* a
 INLINE void tile_q6k(const uint8_t* p, int64_t nb, const act_t* a, int R, __m512* acc) {
     __m512i w[8];
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_ahead(p, 288);
         const __m512 d = h16(p);
         const uint8_t* scales = p + 32;
         p += 32 + 256;
