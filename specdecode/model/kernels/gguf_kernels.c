@@ -64,16 +64,6 @@ INLINE __m512i dot32(const __m512i* w, const int8_t* q, __m512i acc) {
     return dot16(w + 4, q + 16, dot16(w, q, acc));
 }
 
-// Software prefetch of the weight stream, this many bytes ahead of the bytes read now: a tile is one
-// sequential stream, but a sub-block's work for 16 rows is long enough that the out-of-order window sees
-// too few of the next loads to keep memory busy (with it a 16-row GEMM of the 1.5B's gate/up runs ~20%
-// faster, a 1-row one ~25%).
-#define PREFETCH_AHEAD 4096
-
-INLINE void prefetch_ahead(const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
-}
-
 // The 8 code vectors of a 32-weight sub-block: nibbles (256 bytes) then `hi` bit masks (64 bytes each).
 INLINE const uint8_t* decode_sub(const uint8_t* p, int hi, __m512i* w) {
     const __m512i lo4 = _mm512_set1_epi8(0x0F);

@@ -134,6 +134,7 @@ INLINE __m256i dot32_signed(const __m256i* a, const __m256i* s, const int8_t* q,
 // Half h's 8 code vectors of a 32-weight sub-block: nibbles (256 bytes) then `hi` bit masks (64 bytes each).
 INLINE const uint8_t* decode_sub(const uint8_t* p, int hi, int h, __m256i* w) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    if (h == 0) prefetch_ahead(p, 256 + 64 * hi);  // the second half's pass finds the bytes in cache
     for (int g = 0; g < 4; g++) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 * g + 32 * h));
         w[2 * g] = _mm256_and_si256(v, lo4);
@@ -164,6 +165,7 @@ INLINE void tile_simple(int64_t type, const uint8_t* p, int64_t nb, const act_t*
     __m256i ws[8];
 #endif
     for (int64_t b = 0; b < nb; b++) {
+        if (h == 0) prefetch_ahead(p, type == Q4_1 ? 64 : type == Q8_0 ? 32 + 512 : 32);
         const __m256 dw = h8(p + 16 * h);
         __m256 mw = _mm256_setzero_ps();
         p += 32;
@@ -206,6 +208,7 @@ INLINE void tile_q45k(int64_t type, const uint8_t* p, int64_t nb, const act_t* a
     const __m256i m6 = _mm256_set1_epi8(0x3F), m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256i ff = _mm256_set1_epi32(0xFF);
     for (int64_t b = 0; b < nb; b++) {
+        if (h == 0) prefetch_ahead(p, 256);
         const __m256 d = h8(p + 16 * h), dmin = h8(p + 32 + 16 * h);
         const __m256i p0 = _mm256_loadu_si256((const __m256i*)(p + 64 + 32 * h));
         const __m256i p1 = _mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h));
@@ -236,6 +239,7 @@ INLINE void tile_q45k(int64_t type, const uint8_t* p, int64_t nb, const act_t* a
 INLINE void tile_q6k(const uint8_t* p, int64_t nb, const act_t* a, int R, int h, __m256* acc) {
     __m256i w[8];
     for (int64_t b = 0; b < nb; b++) {
+        if (h == 0) prefetch_ahead(p, 288);
         const __m256 d = h8(p + 16 * h);
         const uint8_t* scales = p + 32 + 8 * h;
         p += 32 + 256;
