@@ -8,7 +8,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB, METHODS
+from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB, METHODS, TARGET_QUANTIZATIONS
 from specdecode.fetch import KNOWN_MODELS, FetchError
 from specdecode.log import cli_logging, verbosity_level
 
@@ -33,8 +33,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="shorthand for a draft-model speculative config")
     p.add_argument("--method", default=None, choices=list(METHODS), help="shorthand for the method")
     p.add_argument("--head", default=None, help='shorthand for an "eagle"/"medusa" config with this head directory')
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "int8-dynamic", "int4", "gguf"],
-                   help="target weight format: none keeps the model exact (default); int8 (weight-only), "
+    p.add_argument("--quantization", default="auto", choices=list(TARGET_QUANTIZATIONS),
+                   help="target weight format: auto (default) runs a GGUF file's own blocks in bf16 on a CPU "
+                        "with the GGUF kernels and keeps any other model as it is; none keeps the model's "
+                        "weights (a GGUF's dequantized: the exact comparison); int8 (weight-only), "
                         "int8-dynamic (int8 weights and per-token int8 activations, the fastest verification "
                         "on CPU) and int4 change the model (speculation stays lossless relative to the "
                         "quantized target); gguf runs a GGUF file's own quantized blocks (AVX512-VNNI or AVX2 kernels)")
@@ -197,6 +199,8 @@ def _generate(args: argparse.Namespace) -> int:
         if llm.spec is not None:
             summary += (f", {llm.spec.method}: {m['steps']} steps, mean accepted length "
                         f"{m['mean_accepted_length']:.2f}, acceptance {m['acceptance_rate']:.0%}")
+            if m["draft_tokens"] == 0:  # the cost model kept k = 0: say so rather than look broken
+                summary += " (nothing drafted: with the costs measured at start-up the cost model expected no gain)"
         print("\n" + summary + "]", file=sys.stderr)
     return 0
 

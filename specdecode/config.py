@@ -11,8 +11,13 @@ Method = Literal["ngram", "draft", "eagle", "medusa"]
 METHODS: tuple[str, ...] = ("ngram", "draft", "eagle", "medusa")
 NEEDS_MODEL = {"draft": "the draft model to run"}
 """Methods that cannot run without "model" (a head method without one uses the head shipped for the target)."""
-DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int8-dynamic", "int4", "gguf", "int4-hybrid")
-"""Draft weight formats: specdecode.model.fast_linear.QUANTIZATIONS ("gguf": a .gguf draft's own blocks),
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4", "gguf")
+"""Weight formats a user may pick for a target (`LLM(quantization=...)`, `--quantization`) or a draft. "gguf": a
+GGUF's own blocks, kept at load (`specdecode.model.gguf_model`)."""
+TARGET_QUANTIZATIONS: tuple[str, ...] = ("auto", *QUANTIZATIONS)
+"""A target's choices: "auto" (the default) is resolved at load (`specdecode.model.load.resolve_quantization`)."""
+DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", *QUANTIZATIONS, "int4-hybrid")
+"""Draft weight formats: QUANTIZATIONS ("gguf": a .gguf draft's own blocks),
 "int4-hybrid" (int4 for a few tokens, bf16 for prefill) and "auto" (the CPU's fastest single-token path)."""
 DEFAULT_POOL_GB = 1.0
 """Memory bound of the prefix cache's pool (`LLM(prefix_cache_gb=)`, `--prefix-cache-gb`)."""

@@ -164,3 +164,20 @@ def test_dense_output_rows_for_a_head(tiny_gguf: tuple[Path, Path]) -> None:
     assert not hasattr(model.lm_head, "weight") and model.model.embed_tokens.weight.numel() == 0
     bf16_path = load._build(cfg, {k: v.to(torch.bfloat16) for k, v in ref.items()}, torch.device("cpu"))
     assert fingerprint == target_fingerprint(bf16_path)  # a head trained on the bf16 path attaches
+
+
+def test_a_gguf_target_runs_natively_by_default_in_bf16(gguf_llm_factory, tiny_gguf: tuple[Path, Path],  # noqa: ANN001
+                                                        tmp_path: Path) -> None:
+    """quantization "auto": a .gguf target in bf16 on a CPU with the kernels keeps its blocks; fp32 (the exact
+    comparison), a model directory, another device and an explicit choice keep what they ask for."""
+    path, hf_dir = tiny_gguf
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert load.resolve_quantization("auto", path, bf16, cpu) == "gguf"
+    assert load.resolve_quantization("auto", path, torch.float32, cpu) == "none"
+    assert load.resolve_quantization("auto", hf_dir, bf16, cpu) == "none"
+    assert load.resolve_quantization("auto", path, bf16, torch.device("meta")) == "none"
+    assert load.resolve_quantization("none", path, bf16, cpu) == "none"
+    assert load.resolve_quantization("int8", hf_dir, bf16, cpu) == "int8"
+    llm = LLM(str(path), device="cpu", dtype="bf16", max_model_len=64)
+    assert llm.quantization == "gguf"
+    assert all(m.native for m in llm.target.model.modules() if isinstance(m, GGUFLinear))

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.config import DRAFT_QUANTIZATIONS
+from specdecode.config import DRAFT_QUANTIZATIONS, QUANTIZATIONS
 
 _METHOD_RE = re.compile(
     r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree|-w\d+)?(?:-b(\d+))?(-nolookup)?(-promptvocab)?(?:-k(\d+))?$")
@@ -20,8 +20,6 @@ METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive
                "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4, plain@gguf: the GGUF's "
                "own blocks; default exact); "
                "~FORMAT sets the draft's or head's weight format (e.g. draft~int4-hybrid; default auto)")
-TARGET_QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4", "gguf")
-"""Target formats a method may name after "@" (model/fast_linear.py's QUANTIZATIONS)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +42,7 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
     """``plain``, ``ngram``, ``draft``, ``eagle``, ``medusa``, optionally ``-chain``/``-tree``, ``-kN`` and
     ``@FORMAT`` (target quantization)."""
     name = name.strip()
-    base, quant = _suffix(name, "@", TARGET_QUANTIZATIONS, "target format")
+    base, quant = _suffix(name, "@", QUANTIZATIONS, "target format")
     if quant:
         spec = parse_method(base, draft, heads)
         return MethodSpec(name, spec.speculative_config, quant)

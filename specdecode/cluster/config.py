@@ -17,7 +17,7 @@ class ClusterConfig:
     device: str | None = None
     max_model_len: int | None = None
     speculative_config: dict[str, Any] | None = None
-    quantization: str = "none"
+    quantization: str = "auto"
     seed: int = 0
     max_num_seqs: int = 8
     max_waiting: int = 64

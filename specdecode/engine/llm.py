@@ -35,6 +35,7 @@ from specdecode.model.load import (
     load_tokenizer,
     parse_dtype,
     read_config,
+    resolve_quantization,
 )
 from specdecode.proposers.base import BatchProposer, Proposer
 from specdecode.proposers.draft_model import DraftModelProposer
@@ -66,10 +67,12 @@ class LLM:
             {"method": "draft", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}.
         max_model_len: context to allocate KV cache for (default min(model's, 8192)).
         seed: default seed of requests that give none.
-        quantization: target weight format: "none" (exact, default), "int8" (weight-only), "int8-dynamic"
-            (int8 weights x per-token int8 activations, CPU/FBGEMM), "int4" (opt-in: changes the model;
-            speculative decoding stays lossless relative to the quantized target), or "gguf" (a .gguf target's
-            own quantized blocks, not dequantized: llama.cpp's model in about the file's memory; CPU).
+        quantization: target weight format: "auto" (default: "gguf" for a .gguf target in bf16 on a CPU with
+            the GGUF kernels, else "none"), "none" (the model's weights as they are, a GGUF's dequantized; the
+            exact comparison), "int8" (weight-only), "int8-dynamic" (int8 weights x per-token int8
+            activations, CPU/FBGEMM), "int4" (opt-in: changes the model; speculative decoding stays lossless
+            relative to the quantized target), or "gguf" (a .gguf target's own quantized blocks, not
+            dequantized: llama.cpp's model in about the file's memory; CPU). The choice is `LLM.quantization`.
         max_num_seqs: requests `generate` runs at once as one batch (more wait for a free row).
         enable_prefix_caching: keep the K/V of finished prompts and responses in a pool and reuse it for later
             prompts that start with the same tokens (on by default; output unchanged).
@@ -90,7 +93,7 @@ class LLM:
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
-        quantization: str = "none",
+        quantization: str = "auto",
         max_num_seqs: int = 8,
         enable_prefix_caching: bool = True,
         prefix_cache_gb: float = DEFAULT_POOL_GB,
@@ -105,13 +108,14 @@ class LLM:
         self.spec = SpeculativeConfig.from_any(speculative_config)
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = parse_dtype(dtype)
-        if batch_invariant and (self.dtype != torch.float32 or quantization != "none"):
-            raise ValueError("batch_invariant needs dtype='fp32' and quantization='none' (it computes the target's "
-                             f"fp32 linears row by row), got dtype={dtype!r}, quantization={quantization!r}")
         self.seed = seed
         self._ids = itertools.count()
 
         target_path = resolve_model(model)
+        quantization = self.quantization = resolve_quantization(quantization, target_path, self.dtype, self.device)
+        if batch_invariant and (self.dtype != torch.float32 or quantization != "none"):
+            raise ValueError("batch_invariant needs dtype='fp32' and quantization='none' (it computes the target's "
+                             f"fp32 linears row by row), got dtype={dtype!r}, quantization={quantization!r}")
         target_cfg = read_config(target_path)
         self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, target_cfg.max_position_embeddings)
         draft_path = draft_cfg = None

@@ -25,14 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.config import QUANTIZATIONS
 from specdecode.model import native_kernels
 
 LinearFormat = Literal["none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid", "gguf"]
 FORMATS: tuple[str, ...] = ("none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid")
 """Formats `convert_linears` converts nn.Linear layers into ("gguf" linears are built at load instead)."""
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4", "gguf")
-"""What a user may pick for a target (`LLM(quantization=...)`, `--quantization`) or a draft. "gguf": a GGUF's own
-blocks, kept at load (`gguf_model`); its linears need no conversion."""
 
 
 def _native(native: bool | None) -> bool:

@@ -193,6 +193,20 @@ def read_config(path: Path) -> ModelConfig:
         raise
 
 
+def resolve_quantization(requested: str, path: Path, dtype: torch.dtype, device: torch.device) -> str:
+    """The target's weight format. "auto": a .gguf file in bf16 on a CPU with the GGUF kernels runs on its own
+    quantized blocks ("gguf": llama.cpp's model, in about the file's memory, faster than the dequantized one);
+    fp32 (the dtype of exact comparisons), other devices and model directories keep the model's weights as
+    they are, dequantized for a GGUF ("none"). Any other value is the user's choice and is kept."""
+    if requested != "auto":
+        return requested
+    from specdecode.model import gguf_linear
+
+    native = (path.suffix == ".gguf" and device.type == "cpu" and dtype == torch.bfloat16
+              and gguf_linear.available())
+    return "gguf" if native else "none"
+
+
 def load_resolved(path: Path, name: str, dtype: torch.dtype, device: torch.device,
                   quantization: str = "none") -> LoadedModel:
     """quantization "gguf": a GGUF's quantized blocks kept as they are (`gguf_model`), not dequantized."""
