@@ -166,10 +166,10 @@ def test_dense_output_rows_for_a_head(tiny_gguf: tuple[Path, Path]) -> None:
     assert fingerprint == target_fingerprint(bf16_path)  # a head trained on the bf16 path attaches
 
 
-def test_a_gguf_target_runs_natively_by_default_in_bf16(gguf_llm_factory, tiny_gguf: tuple[Path, Path],  # noqa: ANN001
-                                                        tmp_path: Path) -> None:
+def test_a_gguf_target_runs_natively_by_default_in_bf16(gguf_llm_factory, tiny_gguf: tuple[Path, Path]) -> None:  # noqa: ANN001
     """quantization "auto": a .gguf target in bf16 on a CPU with the kernels keeps its blocks; fp32 (the exact
-    comparison), a model directory, another device and an explicit choice keep what they ask for."""
+    comparison), a model directory, another device and an explicit choice keep what they ask for. (The factory
+    fixture is requested for its patches: a home of its own and the tiny model's tokenizer.)"""
     path, hf_dir = tiny_gguf
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     assert load.resolve_quantization("auto", path, bf16, cpu) == "gguf"

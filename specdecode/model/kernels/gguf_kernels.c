@@ -97,7 +97,8 @@ INLINE void tile_simple(int64_t type, const uint8_t* p, int64_t nb, const act_t*
     const int hi = type == Q5_0;
     const int off = type == Q4_0 ? -8 : type == Q5_0 ? -16 : type == Q8_0 ? -128 : 0;
     for (int64_t b = 0; b < nb; b++) {
-        prefetch_ahead(p, type == Q4_1 ? 64 : 32);
+        // The block's header, and Q8_0's codes (decode_sub prefetches the other types' codes).
+        prefetch_ahead(p, type == Q4_1 ? 64 : type == Q8_0 ? 32 + 512 : 32);
         const __m512 dw = h16(p);
         __m512 mw = _mm512_setzero_ps();
         p += 32;
@@ -106,7 +107,6 @@ INLINE void tile_simple(int64_t type, const uint8_t* p, int64_t nb, const act_t*
             p += 32;
         }
         if (type == Q8_0) {
-            prefetch_ahead(p, 512);
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(p + 64 * j);
             p += 512;
         } else {

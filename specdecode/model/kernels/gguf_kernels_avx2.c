@@ -165,6 +165,7 @@ INLINE void tile_simple(int64_t type, const uint8_t* p, int64_t nb, const act_t*
     __m256i ws[8];
 #endif
     for (int64_t b = 0; b < nb; b++) {
+        // The block's header, and Q8_0's codes (decode_sub prefetches the other types' codes).
         if (h == 0) prefetch_ahead(p, type == Q4_1 ? 64 : type == Q8_0 ? 32 + 512 : 32);
         const __m256 dw = h8(p + 16 * h);
         __m256 mw = _mm256_setzero_ps();
