@@ -477,6 +477,26 @@ def test_batch_cap_counts_the_draft_catch_up(tiny_llama_dir) -> None:
     assert engine._schedule().ks == [0, 0]
 
 
+def test_the_prompt_catch_up_is_spread_over_the_rest_of_the_request(tiny_llama_dir) -> None:
+    """A draft model's first catch-up (its prefill of the prompt) is paid once for the whole answer: a lone
+    request drafts when that pays over its remaining tokens, and a short one does not."""
+    from specdecode import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram"})
+    engine = llm.batch_engine(max_num_seqs=1)
+    # The costs of the 1.5B GGUF target and 0.5B draft on a 2-core CPU: a draft step about a third of a
+    # target step, and a catch-up of ~6 ms per prompt token.
+    engine.cost = CostModel.from_points({1: 0.052, 3: 0.056, 9: 0.085}, 9, draft_step_seconds=0.016,
+                                        catch_up_token_seconds=0.006)
+    engine.proposer.capabilities = dataclasses.replace(engine.proposer.capabilities, catch_up=True)
+    engine.proposer.catch_up_tokens = lambda key, view: 60  # a chat prompt the draft has not seen
+    for max_tokens, drafts in ((400, True), (12, False)):
+        engine.add(llm.new_sequence("def add(a, b):", SamplingParams(max_tokens=max_tokens, temperature=0)))
+        engine.step()
+        assert (max(engine._schedule().ks) > 0) is drafts
+        engine.abort(engine.running[0].seq.request_id)
+
+
 def test_draft_proposer_reports_its_catch_up(tiny_llama_dir) -> None:
     from specdecode import LLM
 

@@ -41,8 +41,9 @@ STEP_LOG = os.environ.get("SPECDECODE_STEP_LOG")
 """A file to append one JSON line per batch step to (rows, chosen k, draft and step seconds)."""
 FORCED_DRAFT_MAX = 16
 """Most grammar-forced tokens appended to a constrained row's chain in one step."""
-CATCH_UP_HORIZON_STEPS = 16
-"""Steps over which a draft's catch-up forward is amortised when deciding whether a row drafts."""
+CATCH_UP_HORIZON_TOKENS = 256
+"""Output tokens over which a draft's catch-up forward is amortised when deciding whether a row drafts: the
+rest of the request, up to about a chat answer's length (max_tokens is only a bound; EOS often comes first)."""
 
 
 class QueueFullError(RuntimeError):
@@ -422,7 +423,7 @@ class Engine:
         """Each row's draft length and the per-row tree budget, from the cost of the whole batch forward."""
         self._recent_rows.append(len(self.running) + len(self.waiting))
         # A dip below the recent batch size (requests finishing just before the next ones arrive) is
-        # transient: a row that would have to catch up first pays it all now, not over 16 steps.
+        # transient: a row that would have to catch up first pays it all now, not over the rest of its request.
         dip = max(self._recent_rows, default=0) > len(self.running)
         wants = []
         for r in self.running:
@@ -430,19 +431,22 @@ class Engine:
             left = seq.params.max_tokens - seq.num_output
             allowed = cap_draft_len(self.k_max, len(seq.token_ids), self.max_len, left)
             k = r.policy.next_k(allowed) if r.policy is not None else 0
-            wants.append(RowWant(k, r.policy, self._catch_up_share(r, dip) if k > 0 else 0.0))
+            wants.append(RowWant(k, r.policy, self._catch_up_share(r, k, dip) if k > 0 else 0.0))
         width = self.proposer.capabilities.tree_width if self.proposer is not None else 1
         return choose_lengths(wants, self._cost, width, self.k_max)
 
-    def _catch_up_share(self, r: Running, dip: bool) -> float:
-        """A row's draft catch-up (feeding what its proposer has not seen since it last drafted) spread
-        over the steps it is likely to serve: one long catch-up is paid once, not every step, but a row
-        that pauses and resumes drafting pays it again."""
+    def _catch_up_share(self, r: Running, k: int, dip: bool) -> float:
+        """A row's draft catch-up (feeding what its proposer has not seen since it last drafted: the prompt at
+        first) spread over the steps left to the request at its expected tokens per step: it is paid once, and
+        the drafter then keeps up while the row drafts (a row that pauses and resumes pays it again)."""
         if self.proposer is None or self._cost is None or not self.proposer.capabilities.catch_up:
             return 0.0
-        left = r.seq.params.max_tokens - r.seq.num_output
-        horizon = 1 if dip else max(1, min(CATCH_UP_HORIZON_STEPS, left // 2))
         tokens = self.proposer.catch_up_tokens(r.key, r.seq.view())
+        if tokens == 0:
+            return 0.0
+        assert r.policy is not None
+        left = min(CATCH_UP_HORIZON_TOKENS, r.seq.params.max_tokens - r.seq.num_output)
+        horizon = 1.0 if dip else max(1.0, left / r.policy.tracker.expected_tokens(k))
         return tokens * self._cost.catch_up_token_seconds / horizon
 
     def _propose(self, lengths: Lengths) -> list[RowTree]:
