@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from tiny_helpers import GREEDY, tiny_prompts
 
 from specdecode import LLM
+from specdecode.engine import llm as llm_module
 from specdecode.model import gguf_linear, load, native_kernels
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_linear import GGUFLinear
@@ -181,3 +182,21 @@ def test_a_gguf_target_runs_natively_by_default_in_bf16(gguf_llm_factory, tiny_g
     llm = LLM(str(path), device="cpu", dtype="bf16", max_model_len=64)
     assert llm.quantization == "gguf"
     assert all(m.native for m in llm.target.model.modules() if isinstance(m, GGUFLinear))
+
+
+def test_a_gguf_draft_runs_natively_by_default_in_bf16(gguf_llm_factory, tiny_gguf: tuple[Path, Path],  # noqa: ANN001
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft's "auto" takes its .gguf blocks where a target's would (a faster catch-up over the prompt);
+    elsewhere "auto" stays for the fastest single-token path, and an explicit choice is kept."""
+    path, hf_dir = tiny_gguf
+    monkeypatch.setattr(llm_module, "load_tokenizer", load.load_tokenizer)  # the draft's, as the fixture's
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert load.resolve_draft_quantization("auto", path, bf16, cpu) == "gguf"
+    assert load.resolve_draft_quantization("auto", path, torch.float32, cpu) == "auto"
+    assert load.resolve_draft_quantization("auto", hf_dir, bf16, cpu) == "auto"
+    assert load.resolve_draft_quantization("int4-hybrid", path, bf16, cpu) == "int4-hybrid"
+    llm = LLM(str(path), device="cpu", dtype="bf16", max_model_len=64,
+              speculative_config={"method": "draft", "model": str(path)})
+    assert llm.draft_quantization == "gguf"
+    assert llm.draft is not None
+    assert all(m.native for m in llm.draft.model.modules() if isinstance(m, GGUFLinear))

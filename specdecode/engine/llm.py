@@ -35,6 +35,7 @@ from specdecode.model.load import (
     load_tokenizer,
     parse_dtype,
     read_config,
+    resolve_draft_quantization,
     resolve_quantization,
 )
 from specdecode.proposers.base import BatchProposer, Proposer
@@ -119,6 +120,8 @@ class LLM:
         target_cfg = read_config(target_path)
         self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, target_cfg.max_position_embeddings)
         draft_path = draft_cfg = None
+        self.draft_quantization: str | None = None
+        """The draft model's weight format as resolved at load (None without a draft model)."""
         spec = self.spec
         draft_dtype = self.dtype if spec is None or spec.draft_dtype == "auto" else parse_dtype(spec.draft_dtype)
         parts = [("target", estimate_bytes(target_cfg, self.dtype, self.max_model_len, device=self.device,
@@ -126,8 +129,10 @@ class LLM:
         if spec is not None and spec.method == "draft":
             draft_path = resolve_model(str(spec.model))
             draft_cfg = read_config(draft_path)
+            self.draft_quantization = resolve_draft_quantization(spec.quantization, draft_path, draft_dtype,
+                                                                 self.device)
             parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len, device=self.device,
-                                                  gguf_file=draft_path if spec.quantization == "gguf" else None)))
+                                                  gguf_file=draft_path if self.draft_quantization == "gguf" else None)))
         check_memory(parts, self.device)  # before any weight is loaded
 
         self.target: LoadedModel = load_resolved(target_path, model, self.dtype, self.device, quantization)
@@ -161,9 +166,10 @@ class LLM:
             # Same tokenizer, differently padded embeddings: the draft drafts over the real ids only.
             rows = check_draft_rows(model, target_cfg.vocab_size, str(spec.model), draft_cfg.vocab_size,
                                     self.tokenizer)
+            draft_format = self.draft_quantization
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device,
-                                       "gguf" if spec.quantization == "gguf" else "none")
-            convert_linears(self.draft.model, draft_linear_format(spec.quantization, draft_dtype, self.device))
+                                       "gguf" if draft_format == "gguf" else "none")
+            convert_linears(self.draft.model, draft_linear_format(draft_format, draft_dtype, self.device))
             draft_model = self.draft.model
             width, branching = spec.tree_width, spec.tree_branching
             self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len, width, branching,
