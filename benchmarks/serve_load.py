@@ -1,9 +1,10 @@
 """Serving throughput with and without speculation at concurrency 1, 2, 4, 8, 16.
 
 Starts `specdecode serve` in a subprocess (or targets a running server with --url), then for each
-concurrency level sends the same prompts from that many closed-loop streaming clients, twice:
+concurrency level sends the same prompts from that many closed-loop streaming clients in two modes:
 "plain" (every request sets `speculative: {"num_speculative_tokens": 0}`) and "spec" (the server's
-speculative config). Both runs use the same engine, so the ratio isolates what speculation buys
+speculative config), alternating plain, spec, spec, plain (`--rounds 2`) so that a machine whose speed
+drifts during a level slows both modes alike. Both runs use the same engine, so the ratio isolates what speculation buys
 under load. Greedy decoding is lossless, so both runs produce the same tokens; the script checks it.
 
 Example (the numbers recorded in BENCHMARKS.md)::
@@ -59,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs of each mode per level, alternating plain, spec, spec, plain (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="server batch rows (default: max concurrency)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server")
     p.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
@@ -162,6 +165,19 @@ def run_level(url: str, headers: dict[str, str], model: str, prompts: list[list[
     }
 
 
+def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from the rounds of one mode at one level: tokens over seconds of them all."""
+    if any(r["texts"] != runs[0]["texts"] for r in runs):
+        raise RuntimeError("the rounds of one mode gave different texts")
+    tokens, seconds = sum(r["output_tokens"] for r in runs), sum(r["seconds"] for r in runs)
+    steps = sum(r["output_tokens"] / r["mean_accepted_length"] for r in runs if r["mean_accepted_length"])
+    return {**runs[0], "requests": sum(r["requests"] for r in runs), "output_tokens": tokens, "seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+            "mean_accepted_length": tokens / steps if steps else 0.0,
+            "ttft_p50": statistics.median(r["ttft_p50"] for r in runs),
+            "latency_p50": statistics.median(r["latency_p50"] for r in runs), "rounds": len(runs)}
+
+
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
     by = {(r["concurrency"], r["mode"]): r for r in rows}
     lines = [header, "", "| concurrency | plain tok/s | spec tok/s | spec / plain | tau (spec) "
@@ -179,8 +195,8 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    if not levels or min(levels) < 1 or args.num_prompts < 1 or args.max_tokens < 1:
-        raise SystemExit("--concurrency, --num-prompts and --max-tokens must be positive")
+    if not levels or min(levels) < 1 or args.num_prompts < 1 or args.max_tokens < 1 or args.rounds < 1:
+        raise SystemExit("--concurrency, --num-prompts, --max-tokens and --rounds must be positive")
     prompts = [p.messages for p in load_prompts(args.dataset)]
     prompts = (prompts * (args.num_prompts // len(prompts) + 1))[: args.num_prompts]
     proc = None
@@ -197,12 +213,16 @@ def main(argv: list[str] | None = None) -> int:
             run_level(url, headers, model, prompts[:1], 1, args, plain)
         rows = []
         for c in levels:
-            for plain in (True, False):
+            runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+            # plain, spec, spec, plain, ...: a machine that drifts during a level slows both modes alike.
+            for i in range(2 * args.rounds):
+                plain = (i % 4) in (0, 3)
                 row = run_level(url, headers, model, prompts, c, args, plain)
-                rows.append(row)
+                runs[plain].append(row)
                 print(f"concurrency {c:>2} {row['mode']:<5} {row['tokens_per_second']:8.1f} tok/s "
                       f"({row['output_tokens']} tokens in {row['seconds']:.1f}s, "
                       f"tau {row['mean_accepted_length']:.2f})", file=sys.stderr)
+            rows += [merge_runs(runs[True]), merge_runs(runs[False])]
     finally:
         if proc is not None:
             proc.terminate()
