@@ -22,6 +22,7 @@ from specdecode.engine.core import Engine as BatchEngine
 from specdecode.engine.logprobs import TokenLogprob
 from specdecode.engine.sequence import Sequence
 from specdecode.metrics import SpecStats
+from specdecode.model.openmp import release_thread_workers
 from specdecode.server.metrics import ServerMetrics, snapshot
 
 logger = logging.getLogger("specdecode.server")
@@ -115,6 +116,7 @@ class AsyncEngine:
     def start(self) -> None:
         if self._thread is not None:
             return
+        release_thread_workers()  # every forward runs on the engine thread from now on
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         self._thread.start()
 
@@ -141,6 +143,7 @@ class AsyncEngine:
         the same step and share their prompt's prefill); all or none are queued."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        release_thread_workers()  # a request's set-up (its penalty counts) may have run a parallel region here
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[None] = loop.create_future()
         streams = [RequestStream(self, seq) for seq in seqs]
