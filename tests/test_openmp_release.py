@@ -21,7 +21,8 @@ def test_released_workers_are_gone_and_come_back_on_demand() -> None:
     big.add_(1)  # a parallel region: this thread's pool of workers exists now
     before = _threads()
     release_thread_workers()
-    if torch.get_num_threads() > 1 and openmp._runtime() is not None:  # its workers end (a thread leaves /proc once it has exited)
+    # Its workers end (a thread leaves /proc once it has exited).
+    if torch.get_num_threads() > 1 and openmp._runtime() is not None:
         deadline = time.monotonic() + 10
         while _threads() >= before and time.monotonic() < deadline:
             time.sleep(0.01)
