@@ -519,3 +519,22 @@ def test_a_probe_that_needs_a_catch_up_is_capped_like_any_k() -> None:
     plain = AdaptiveK(fixed_k=0)
     assert choose_lengths([RowWant(1, probing), RowWant(0, plain)], cost, 1, 4).ks == [1, 0]
     assert choose_lengths([RowWant(1, probing, 2.0), RowWant(0, plain)], cost, 1, 4).ks == [0, 0]
+
+
+def test_a_probe_in_a_batch_is_capped_where_widening_the_forward_does_not_pay() -> None:
+    """A lone row's probe runs whatever the cost (it keeps the row's estimate alive); in a batch the probe pads
+    every row to two tokens, so it runs only where the batch's cost model says that pays."""
+    from specdecode.engine.adaptive import AdaptiveK
+    from specdecode.engine.schedule import RowWant, choose_lengths
+
+    cost = CostModel.from_points({1: 0.05, 8: 0.08, 16: 0.14}, 16)  # many rows: wider forwards cost more
+
+    def probing() -> AdaptiveK:
+        policy = AdaptiveK(cost)
+        policy.tracker.update(4, 0)  # a drafter that keeps missing
+        policy._probing = True  # noqa: SLF001 - the state next_k leaves after a run of k = 0
+        return policy
+
+    assert choose_lengths([RowWant(1, probing())], cost, 1, 4).ks == [1]
+    plain = [RowWant(0, AdaptiveK(fixed_k=0)) for _ in range(7)]
+    assert choose_lengths([RowWant(1, probing()), *plain], cost, 1, 4).ks == [0] * 8

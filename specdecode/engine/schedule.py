@@ -27,14 +27,14 @@ class RowWant:
     catch_up_seconds: float = 0.0
     """Seconds of the drafter's catch-up this step would pay (spread over the steps it serves)."""
 
-    @property
-    def adaptive(self) -> bool:
-        """Capped by the batch: not a fixed k, nor a free probe (one token that keeps the row's estimate alive).
-        A probe whose drafter must first catch up (a draft model that has not drafted for a while feeds it all)
-        is capped like any k: the batch pays for that catch-up only where it pays back."""
+    def capped(self, rows: int) -> bool:
+        """Capped by a batch of `rows` rows: not a fixed k, nor a free probe (one token that keeps a lone row's
+        estimate alive). In a batch a probe widens every row's forward (rows are padded to the widest), and a
+        probe whose drafter must first catch up (a draft model that has not drafted for a while feeds it all)
+        pays that catch-up: either is capped like any k, so the batch pays for a probe only where it pays back."""
         if self.policy is None or self.policy.fixed_k is not None:
             return False
-        return not self.policy.probing or self.catch_up_seconds > 0
+        return not self.policy.probing or self.catch_up_seconds > 0 or rows > 1
 
     def expected_tokens(self, k: int) -> float:
         return self.policy.tracker.expected_tokens(k) if self.policy is not None else 1.0
@@ -65,9 +65,10 @@ def choose_lengths(wants: list[RowWant], cost: CostModel | None, tree_width: int
     def nodes(k: int) -> int:
         return priced_nodes(tree_width, budget, k) if tree_width != 1 else k
 
+    free = [not w.capped(len(wants)) for w in wants]
     best_cap, best_rate = 0, -1.0
     for cap in range(max(ks) + 1):
-        capped = [min(w.k, cap) if w.adaptive else w.k for w in wants]
+        capped = [w.k if f else min(w.k, cap) for w, f in zip(wants, free, strict=True)]
         tokens = sum(w.expected_tokens(k) for w, k in zip(wants, capped, strict=True))
         seconds = cost.target_forward_seconds(len(wants) * (max(nodes(k) for k in capped) + 1))
         seconds += sum(capped) * cost.draft_step_seconds
@@ -75,4 +76,4 @@ def choose_lengths(wants: list[RowWant], cost: CostModel | None, tree_width: int
         rate = tokens / seconds
         if rate > best_rate * (1 + 1e-9):
             best_cap, best_rate = cap, rate
-    return Lengths([min(w.k, best_cap) if w.adaptive else w.k for w in wants], budget)
+    return Lengths([w.k if f else min(w.k, best_cap) for w, f in zip(wants, free, strict=True)], budget)
