@@ -4,8 +4,9 @@ Starts `specdecode serve` in a subprocess (or targets a running server with --ur
 concurrency level sends the same prompts from that many closed-loop streaming clients in two modes:
 "plain" (every request sets `speculative: {"num_speculative_tokens": 0}`) and "spec" (the server's
 speculative config), alternating plain, spec, spec, plain (`--rounds 2`) so that a machine whose speed
-drifts during a level slows both modes alike. Both runs use the same engine, so the ratio isolates what speculation buys
-under load. Greedy decoding is lossless, so both runs produce the same tokens; the script checks it.
+drifts during a level slows both modes alike. Both modes use the same engine, so the ratio isolates what
+speculation buys under load. Greedy decoding is lossless, so both modes produce the same tokens; the script
+checks it.
 
 Example (the numbers recorded in BENCHMARKS.md)::
 
@@ -158,7 +159,7 @@ def run_level(url: str, headers: dict[str, str], model: str, prompts: list[list[
     return {
         "concurrency": concurrency, "mode": "plain" if plain else "spec", "requests": len(results),
         "output_tokens": tokens, "seconds": wall, "tokens_per_second": tokens / wall if wall > 0 else 0.0,
-        "mean_accepted_length": tokens / steps if steps else 0.0,
+        "steps": steps, "mean_accepted_length": tokens / steps if steps else 0.0,
         "ttft_p50": statistics.median(r["ttft"] for r in results),
         "latency_p50": statistics.median(r["latency"] for r in results),
         "texts": [r["text"] for r in results],
@@ -170,9 +171,9 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if any(r["texts"] != runs[0]["texts"] for r in runs):
         raise RuntimeError("the rounds of one mode gave different texts")
     tokens, seconds = sum(r["output_tokens"] for r in runs), sum(r["seconds"] for r in runs)
-    steps = sum(r["output_tokens"] / r["mean_accepted_length"] for r in runs if r["mean_accepted_length"])
+    steps = sum(r["steps"] for r in runs)
     return {**runs[0], "requests": sum(r["requests"] for r in runs), "output_tokens": tokens, "seconds": seconds,
-            "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+            "tokens_per_second": tokens / seconds if seconds > 0 else 0.0, "steps": steps,
             "mean_accepted_length": tokens / steps if steps else 0.0,
             "ttft_p50": statistics.median(r["ttft_p50"] for r in runs),
             "latency_p50": statistics.median(r["latency_p50"] for r in runs), "rounds": len(runs)}
