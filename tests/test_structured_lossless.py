@@ -133,7 +133,7 @@ def test_negative_control_mask_at_the_root_only_fails(monkeypatch: pytest.Monkey
         masks[1:] = True  # the draft's positions see the unconstrained target
         return pruned, masks
 
-    monkeypatch.setattr("specdecode.engine.core.constrain_row", root_only)
+    monkeypatch.setattr("specdecode.engine.constrain.constrain_row", root_only)
     observed = _sample(1, 2)
     exact = _exact()
     if observed[exact == 0].sum() > 0:

@@ -20,8 +20,14 @@ from collections.abc import Callable
 
 import torch
 
+from specdecode.engine.adaptive import AcceptanceTracker
 from specdecode.engine.plan import RowTree
+from specdecode.engine.sequence import Sequence
 from specdecode.structured.matcher import TokenMatcher
+from specdecode.tree import MAX_TREE_NODES
+
+FORCED_DRAFT_MAX = 16
+"""Most grammar-forced tokens appended to a constrained row's chain in one step."""
 
 
 def _children(parents: list[int]) -> list[list[int]]:
@@ -158,3 +164,37 @@ def constrain_row(row: RowTree, matcher: TokenMatcher, forced_room: int = 0) -> 
         if tokens:
             row, rows = _extend(row, tokens), rows + extra
     return row, torch.stack(rows)  # [n', V]
+
+
+def constrain_rows(seqs: list[Sequence], trackers: list[AcceptanceTracker | None], rows: list[RowTree],
+                   max_len: int, forward_seconds: Callable[[int], float] | None) -> list[torch.Tensor | None] | None:
+    """The constrain phase: cut the drafted tokens each row's grammar forbids (rows edited in place) and return
+    every row's token masks [n, V] (None for an unconstrained row; None if no row is).
+
+    A row's tracker is None where it does not speculate; forced tokens ride along only where it does, within
+    its context and tokens left, and with a measured `forward_seconds` the batch's forced tails are fitted to
+    the width that pays.
+    """
+    if all(s.matcher is None for s in seqs):
+        return None
+    masks: list[torch.Tensor | None] = []
+    for i, (seq, tracker) in enumerate(zip(seqs, trackers, strict=True)):
+        if seq.matcher is None:
+            masks.append(None)
+            continue
+        room = 0
+        if tracker is not None:
+            n = len(rows[i].tokens)
+            left = seq.params.max_tokens - seq.num_output
+            context = max_len - len(seq.token_ids) - n
+            room = max(0, min(FORCED_DRAFT_MAX, MAX_TREE_NODES - n, context, left - n))
+        rows[i], mask = constrain_row(rows[i], seq.matcher, room)
+        masks.append(mask)
+    if forward_seconds is not None and len(rows) > 1 and any(r.forced for r in rows):
+        reach, base = [], 0.0
+        for tracker, row in zip(trackers, rows, strict=True):
+            drafted = len(row.tokens) - row.forced - 1
+            reach.append(tracker.reach(drafted) if tracker is not None else 1.0)
+            base += tracker.expected_tokens(drafted) if tracker is not None else 1.0
+        fit_forced(rows, masks, reach, forward_seconds, base)
+    return masks

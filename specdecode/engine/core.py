@@ -24,7 +24,7 @@ import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
 from specdecode.engine.chunking import MIN_CHUNK_TOKENS, chunk_tokens, smoothed
-from specdecode.engine.constrain import constrain_row, fit_forced
+from specdecode.engine.constrain import constrain_rows
 from specdecode.engine.plan import RowTree, StepPlan, build_plan
 from specdecode.engine.prefix_cache import Block, PrefixCache
 from specdecode.engine.schedule import Lengths, RowWant, choose_lengths, node_budget
@@ -39,8 +39,6 @@ from specdecode.tree import MAX_TREE_NODES
 
 STEP_LOG = os.environ.get("SPECDECODE_STEP_LOG")
 """A file to append one JSON line per batch step to (rows, chosen k, draft and step seconds)."""
-FORCED_DRAFT_MAX = 16
-"""Most grammar-forced tokens appended to a constrained row's chain in one step."""
 CATCH_UP_HORIZON_TOKENS = 256
 """Output tokens over which a draft's catch-up forward is amortised when deciding whether a row drafts: the
 rest of the request, up to about a chat answer's length (max_tokens is only a bound; EOS often comes first)."""
@@ -464,33 +462,10 @@ class Engine:
         return rows
 
     def _constrain(self, rows: list[RowTree]) -> list[torch.Tensor | None] | None:
-        """Structured outputs: cut the drafted tokens each row's grammar forbids (rows edited in place) and
-        return every row's token masks [n, V] (None for an unconstrained row; None if no row is)."""
-        if all(r.seq.matcher is None for r in self.running):
-            return None
-        masks: list[torch.Tensor | None] = []
-        for i, r in enumerate(self.running):
-            if r.seq.matcher is None:
-                masks.append(None)
-                continue
-            seq = r.seq
-            room = 0  # forced tokens ride along only where the row speculates, within its context and tokens
-            if r.policy is not None:
-                n = len(rows[i].tokens)
-                left = seq.params.max_tokens - seq.num_output
-                context = self.max_len - len(seq.token_ids) - n
-                room = max(0, min(FORCED_DRAFT_MAX, MAX_TREE_NODES - n, context, left - n))
-            rows[i], mask = constrain_row(rows[i], seq.matcher, room)
-            masks.append(mask)
-        if self._cost is not None and len(rows) > 1 and any(r.forced for r in rows):
-            reach, base = [], 0.0
-            for r, row in zip(self.running, rows, strict=True):
-                drafted = len(row.tokens) - row.forced - 1
-                tracker = r.policy.tracker if r.policy is not None else None
-                reach.append(tracker.reach(drafted) if tracker is not None else 1.0)
-                base += tracker.expected_tokens(drafted) if tracker is not None else 1.0
-            fit_forced(rows, masks, reach, self._cost.target_forward_seconds, base)
-        return masks
+        """Structured outputs: each row's grammar cuts its draft (rows edited in place) and masks its logits."""
+        trackers = [r.policy.tracker if r.policy is not None else None for r in self.running]
+        forward = self._cost.target_forward_seconds if self._cost is not None else None
+        return constrain_rows([r.seq for r in self.running], trackers, rows, self.max_len, forward)
 
     def _target_forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over every row's nodes: hidden [B, T, D] and fp32 logits [N, V] of the real nodes."""
