@@ -130,7 +130,7 @@ def test_choices_share_a_chunked_prefill_and_the_prefix_pool(tiny_llama_dir: Pat
         prefill(r, row, n)  # type: ignore[arg-type]
 
     engine._prefill = counting  # type: ignore[method-assign]
-    drafts: dict[int, list[list[int]]] = {}
+    drafts: dict[str, list[list[int]]] = {}  # by request id: an object id may be reused by a later request
     if engine.proposer is not None:
         propose = engine.proposer.propose
 
@@ -138,7 +138,7 @@ def test_choices_share_a_chunked_prefill_and_the_prefix_pool(tiny_llama_dir: Pat
             out = propose(asks)
             seqs_by_key = {r.key: r.seq for r in engine.running}
             for ask, d in zip(asks, out, strict=True):
-                drafts.setdefault(id(seqs_by_key[ask.key]), []).append(d.tokens)
+                drafts.setdefault(seqs_by_key[ask.key].request_id, []).append(d.tokens)
             return out
 
         engine.proposer.propose = recording  # type: ignore[method-assign]
@@ -162,5 +162,6 @@ def test_choices_share_a_chunked_prefill_and_the_prefix_pool(tiny_llama_dir: Pat
         assert len(accepted) == 1
         if method is not None:  # the same tokens and features: each choice drafts what the source drafts
             assert seqs[0].stats.to_dict()["draft_tokens"] > 0
-            assert drafts[id(seqs[0])] and all(drafts[id(s)] == drafts[id(seqs[0])] for s in seqs)
+            first = drafts[seqs[0].request_id]
+            assert first and all(drafts[s.request_id] == first for s in seqs)
         assert not engine._shared  # no finished prefill outlives its choices
