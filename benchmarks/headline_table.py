@@ -11,10 +11,12 @@ runs), and per dataset the ratio to plain with τ. Every ratio is a ratio of mea
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+
+from specdecode.bench.run_state import RECORDS_FILE, read_records
+from specdecode.bench.stats import mean_accepted_length, mean_tokens_per_second
 
 DATASETS: dict[str, Callable[[str], bool]] = {
     "MT-bench": lambda task: task not in ("gsm8k", "code"),  # MT-bench's records carry its category as task
@@ -22,10 +24,6 @@ DATASETS: dict[str, Callable[[str], bool]] = {
     "HumanEval": lambda task: task == "code",
 }
 GGUF_PLAIN = "plain@gguf"
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 class Run:
@@ -37,12 +35,18 @@ class Run:
     def ours(self, method: str) -> bool:
         return self.by_method[method][0]["engine"] == "specdecode"
 
+    def _rows(self, method: str, dataset: Callable[[str], bool]) -> list[dict]:
+        return [r for r in self.by_method[method] if dataset(r["task"])]
+
     def speed(self, method: str, dataset: Callable[[str], bool] = lambda task: True) -> float:
-        return _mean([r["tokens_per_second"] for r in self.by_method[method] if dataset(r["task"])])
+        speed = mean_tokens_per_second(self._rows(method, dataset))
+        assert speed is not None, f"{method} has no records"
+        return speed
 
     def tau(self, method: str, dataset: Callable[[str], bool] = lambda task: True) -> float:
-        rows = [r for r in self.by_method[method] if dataset(r["task"])]
-        return sum(r["output_tokens"] for r in rows) / sum(r["steps"] for r in rows)
+        tau = mean_accepted_length(self._rows(method, dataset))
+        assert tau is not None, f"{method} has no steps"
+        return tau
 
     def same(self, method: str, reference: str) -> str:
         def key(r: dict) -> tuple[str, int, str]:
@@ -82,8 +86,7 @@ def main() -> None:
     p.add_argument("--plain", default="plain", help="our plain method (the ratios' denominator)")
     p.add_argument("--peer", default="llamacpp-plain", help="the peer method of the llama.cpp column")
     args = p.parse_args()
-    records = [json.loads(line) for line in (args.out / "records.jsonl").read_text().splitlines() if line.strip()]
-    print("\n".join(table(Run(records), args.plain, args.peer)))
+    print("\n".join(table(Run(read_records(args.out / RECORDS_FILE)), args.plain, args.peer)))
 
 
 if __name__ == "__main__":

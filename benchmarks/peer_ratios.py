@@ -17,6 +17,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from specdecode.bench.run_state import RECORDS_FILE, read_records
+
 
 def dataset_of(record: dict) -> str:
     return "HumanEval" if record["task"] == "code" else "Spec-Bench"
@@ -28,7 +30,7 @@ def main() -> None:
     p.add_argument("--plain", default="plain@gguf", help="our plain method (the reference for identical output)")
     p.add_argument("--peer-prefix", default="llamaserver-", help="peer methods: names starting with this")
     args = p.parse_args()
-    records = [json.loads(line) for line in (args.out / "records.jsonl").read_text().splitlines() if line.strip()]
+    records = read_records(args.out / RECORDS_FILE)
     eos = json.loads((args.out / "run-state.json").read_text()).get("eos_token_id")
     speed: dict[tuple[str, str], list[float]] = defaultdict(list)
     tokens: dict[tuple[str, str, str], list[int]] = {}

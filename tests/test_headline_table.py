@@ -28,9 +28,10 @@ def test_ratios_are_ratios_of_means_and_references_follow_the_format() -> None:
             _record("llamacpp-plain", task, 1.5 * speed, 0, [1, 2, 3, 5], engine="llama.cpp"),
         ]
     lines = headline_table.table(headline_table.Run(records), "plain", "llamacpp-plain")
-    rows = {line.split(" | ")[0].strip("| `"): line.split(" | ") for line in lines[2:]}
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines[2:]]
+    rows = {row[0].strip("`"): row for row in cells}
     assert rows["plain"][1:6] == ["6.00", "1.00×", "0.67×", "1.00", "–"]
     assert rows["eagle"][1:6] == ["12.00", "2.00×", "1.33×", "2.00", "`plain` 3/3"]
     assert rows["eagle@gguf"][5] == "`plain@gguf` 2/3"  # at the GGUF's quantization: compared with its plain run
     assert rows["llamacpp-plain"][4:6] == ["–", "`plain@gguf` 3/3"]  # a peer runs the GGUF file
-    assert rows["eagle@gguf"][6:] == ["4.00× (4.00)", "4.00× (4.00)", "4.00× (4.00) |"]
+    assert rows["eagle@gguf"][6:] == ["4.00× (4.00)"] * 3
