@@ -164,4 +164,4 @@ def test_choices_share_a_chunked_prefill_and_the_prefix_pool(tiny_llama_dir: Pat
             assert seqs[0].stats.to_dict()["draft_tokens"] > 0
             first = drafts[seqs[0].request_id]
             assert first and all(drafts[s.request_id] == first for s in seqs)
-        assert not engine._shared  # no finished prefill outlives its choices
+        assert not engine._shares  # no finished prefill outlives its choices

@@ -28,3 +28,22 @@ def chunk_tokens(budget: int, decode_seconds: float | None, token_seconds: float
 
 def smoothed(old: float | None, new: float) -> float:
     return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+class ChunkTimer:
+    """The running averages a chunk is sized by: a step's decode phase, and a chunk's seconds per token
+    (measured on chunks run while rows decode)."""
+
+    def __init__(self) -> None:
+        self.decode_seconds: float | None = None
+        self.token_seconds: float | None = None
+
+    def budget(self, max_tokens: int) -> int:
+        return chunk_tokens(max_tokens, self.decode_seconds, self.token_seconds)
+
+    def chunk_ran(self, tokens: int, seconds: float) -> None:
+        if tokens >= MIN_CHUNK_TOKENS:  # a few tokens cost mostly the forward's fixed part: no measure
+            self.token_seconds = smoothed(self.token_seconds, seconds / tokens)
+
+    def decode_ran(self, seconds: float) -> None:
+        self.decode_seconds = smoothed(self.decode_seconds, seconds)

@@ -14,64 +14,32 @@ the accepted path's K/V is then compacted behind the row's prefix.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel
-from specdecode.engine.chunking import MIN_CHUNK_TOKENS, chunk_tokens, smoothed
+from specdecode.engine.chunking import ChunkTimer
 from specdecode.engine.constrain import constrain_rows
 from specdecode.engine.plan import RowTree, StepPlan, build_plan
-from specdecode.engine.prefix_cache import Block, PrefixCache
-from specdecode.engine.schedule import Lengths, RowWant, choose_lengths, node_budget
+from specdecode.engine.prefill_share import PrefillShares
+from specdecode.engine.prefix_cache import PrefixCache
+from specdecode.engine.running import Running
+from specdecode.engine.schedule import Lengths, RowWant, catch_up_share, choose_lengths, row_cost
 from specdecode.engine.sequence import Sequence
+from specdecode.engine.step_log import log_step
 from specdecode.engine.step_verify import Verified, start_sequence, verify_rows
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import BatchProposer, Draft, ProposeRow
 from specdecode.proposers.ngram_match import cap_draft_len
-from specdecode.proposers.tree_growth import priced_nodes, with_lookup_branch
+from specdecode.proposers.tree_growth import with_lookup_branch
 from specdecode.tree import MAX_TREE_NODES
-
-STEP_LOG = os.environ.get("SPECDECODE_STEP_LOG")
-"""A file to append one JSON line per batch step to (rows, chosen k, draft and step seconds)."""
-CATCH_UP_HORIZON_TOKENS = 256
-"""Output tokens over which a draft's catch-up forward is amortised when deciding whether a row drafts: the
-rest of the request, up to about a chat answer's length (max_tokens is only a bound; EOS often comes first)."""
 
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than the engine accepts; retry later."""
-
-
-@dataclass
-class Running:
-    seq: Sequence
-    key: int
-    """The row's drafting state in the batch proposer."""
-    policy: AdaptiveK | None
-    """None: the row never drafts (no proposer, or the request asked for k = 0)."""
-    k_override: int | None = None
-    prefilled: int = 0
-    """Prompt tokens whose K/V is in the row (a prefix-cache hit, then prefill chunks)."""
-    started: float = 0.0
-    """perf_counter when its first prefill forward began (0: not yet)."""
-    features: torch.Tensor | None = None
-    """[max_len, F] the target's features of the row's kept positions, pooled with its K/V blocks or copied by
-    its sibling choices (only for proposers that read them, with the prefix cache on or a prefill group)."""
-
-
-@dataclass
-class _Prefilled:
-    """A prompt's finished prefill, reusable by the other choices of the same request (queued right behind it):
-    the K/V and kept features are read from the source's row while it runs."""
-
-    source: Running
-    logits: torch.Tensor  # [1, V] at the prompt's last position
 
 
 class Engine:
@@ -104,15 +72,11 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         """At most this many prompt tokens prefilled per step while other rows decode (None: a whole prompt at
         once); the chunk is the largest that costs about `CHUNK_STEP_RATIO` decode steps (engine/chunking.py)."""
-        self._decode_seconds: float | None = None
-        """Running average of a step's decode phase (propose, forward, verify, commit)."""
-        self._chunk_token_seconds: float | None = None
-        """Running average of a prefill chunk's seconds per token, measured on chunks run while rows decode."""
+        self._chunks = ChunkTimer()
         self.running: list[Running] = []
         self.prefilling: Running | None = None
         """The request whose prompt is being prefilled in chunks, in the row after the running ones."""
-        self._shared: dict[object, _Prefilled] = {}
-        """Finished prefills by prefill group, while their source runs and a sibling choice may still follow."""
+        self._shares = PrefillShares()
         self.waiting: deque[tuple[Sequence, int | None]] = deque()
         self.last_step_seconds = 0.0
         self._keys = itertools.count()
@@ -136,14 +100,9 @@ class Engine:
     def cost(self, cost: CostModel | None) -> None:
         """The measured cost model; None keeps every row's k as the policy chose it (no batch cap)."""
         self._cost, self.row_cost = cost, cost
-        if cost is None or self.proposer is None:
-            return
-        width = self.proposer.capabilities.tree_width
-        if width != 1:  # what a request alone verifies per depth, for its own choice of k
-            budget = node_budget(cost, self.k_max, 1)
-            self.row_cost = cost.with_tree_nodes(
-                tuple(min(MAX_TREE_NODES, priced_nodes(width, budget, k)) for k in range(1, self.k_max + 1)))
-        self.proposer.configure(cost)
+        if cost is not None and self.proposer is not None:
+            self.row_cost = row_cost(cost, self.proposer.capabilities.tree_width, self.k_max)
+            self.proposer.configure(cost)
 
     def reserve(self, rows: int) -> None:
         """Make room for `rows` running rows (allocated up front for serving, on demand for `generate`)."""
@@ -155,10 +114,7 @@ class Engine:
         # Headroom past max_len: a step's tree (or padded chain) occupies slots after the row's prefix.
         cache = self.target.new_cache(rows, self.max_len + MAX_TREE_NODES)
         if self.cache is not None:
-            old = self.cache.batch_size
-            cache.k[:, :old], cache.v[:, :old] = self.cache.k, self.cache.v
-            cache.pos[:old] = self.cache.pos
-            cache.lengths[:old] = self.cache.lengths
+            cache.take_rows(self.cache)
         self.cache = cache
 
     # ---- admission ----------------------------------------------------------------------------------
@@ -214,7 +170,7 @@ class Engine:
         the running rows get a token each step); otherwise whole prompts. Returns the sequences that joined."""
         budget = None
         if self.running and self.max_num_batched_tokens is not None:
-            budget = chunk_tokens(self.max_num_batched_tokens, self._decode_seconds, self._chunk_token_seconds)
+            budget = self._chunks.budget(self.max_num_batched_tokens)
         admitted = []
         while budget is None or budget > 0:
             r = self.prefilling
@@ -229,9 +185,7 @@ class Engine:
                 self._prefill(r, len(self.running), chunk)
             if budget is not None:
                 budget -= chunk
-                if chunk >= MIN_CHUNK_TOKENS:  # a few tokens cost mostly the forward's fixed part: no measure
-                    per_token = (time.perf_counter() - t0) / chunk
-                    self._chunk_token_seconds = smoothed(self._chunk_token_seconds, per_token)
+                self._chunks.chunk_ran(chunk, time.perf_counter() - t0)
             if r.prefilled < r.seq.prompt_len:
                 break
             self.prefilling = None
@@ -256,61 +210,51 @@ class Engine:
         self.reserve(len(self.running) + 1)
         assert self.cache is not None
         drafts = self.proposer is not None and k_override != 0
-        policy = self._policy(k_override) if drafts else None
-        r = Running(seq, next(self._keys), policy, k_override)
-        row = len(self.running)
-        hidden = policy is not None and self.proposer is not None and self.proposer.capabilities.target_hidden
-        if self._copy_sibling(r, row, hidden):
+        r = Running(seq, next(self._keys), self._policy(k_override) if drafts else None, k_override)
+        if self._copy_sibling(r, len(self.running)):
             return r
-        blocks: list[Block] = []
-        if self.prefix_cache is not None:
-            # The prompt's last token is always computed: its logits give the first output token.
-            blocks = self.prefix_cache.match(seq.token_ids, seq.prompt_len - 1, need_features=hidden)
-        for b in blocks:
-            self.cache.write_span(row, r.prefilled, b.k, b.v)
-            r.prefilled += len(b.tokens)
+        features = None
+        if self.prefix_cache is not None:  # the prompt's last token is always computed: its logits give the first
+            r.prefilled, features = self.prefix_cache.restore(self.cache, len(self.running), seq.token_ids,
+                                                              seq.prompt_len - 1, self._reads_features(r))
         seq.cached_tokens = r.prefilled
-        self.cache.set_length(row, r.prefilled)
-        if policy is not None:
-            assert self.proposer is not None
-            self.proposer.begin(r.key, seq.view())
-            if blocks and hidden:
-                cached = torch.cat([b.features for b in blocks])  # type: ignore[misc]  # [prefilled, F]
-                self._keep_features(r, cached, 0)
-                self.proposer.observe_hidden(r.key, cached)
+        self.cache.set_length(len(self.running), r.prefilled)
+        self._begin(r, features)
         return r
 
-    def _copy_sibling(self, r: Running, row: int, hidden: bool) -> bool:
+    def _copy_sibling(self, r: Running, row: int) -> bool:
         """A choice whose sibling (same prefill group and prompt) finished its prefill and still runs: copy that
-        row's prompt K/V, the partial last block included, and its features, and draw the first token from its
-        logits. False: nothing to copy from."""
-        seq, group = r.seq, r.seq.prefill_group
-        done = self._shared.get(group) if group is not None else None
+        row's prompt K/V and features, and draw the first token from its logits. False: nothing to copy from."""
+        seq = r.seq
+        done = self._shares.take(seq, self.waiting[0][0] if self.waiting else None)
         if done is None:
             return False
-        if not self.waiting or self.waiting[0][0].prefill_group is not group:
-            del self._shared[group]  # the last sibling: nothing queued behind it reads this prefill
-        source = done.source
+        source, hidden = done.source, self._reads_features(r)
         src = next((i for i, x in enumerate(self.running) if x is source), -1)
         if (src < 0 or source.seq.token_ids[: seq.prompt_len] != seq.token_ids
                 or (hidden and (source.features is None or source.policy is None))):
             return False
         assert self.cache is not None
-        started = time.perf_counter()
+        r.started = time.perf_counter()
         self.cache.copy_prefix(src, row, seq.prompt_len)
         self.cache.set_length(row, seq.prompt_len)
-        r.prefilled, r.started = seq.prompt_len, started
+        r.prefilled = seq.prompt_len
         seq.cached_tokens = source.seq.cached_tokens  # the one prompt prefill the choices share
-        if r.policy is not None:
-            assert self.proposer is not None
-            self.proposer.begin(r.key, seq.view())
-            if hidden:
-                assert source.features is not None
-                features = source.features[: seq.prompt_len]  # [P, F]
-                self._keep_features(r, features, 0)
-                self.proposer.observe_hidden(r.key, features)
-        start_sequence(seq, done.logits, started)
+        self._begin(r, source.features[: seq.prompt_len] if hidden and source.features is not None else None)
+        start_sequence(seq, done.logits, r.started)
         return True
+
+    def _begin(self, r: Running, features: torch.Tensor | None) -> None:
+        """Start the row's drafting state, with the target's features [P, F] of the positions already kept."""
+        if r.policy is None or self.proposer is None:
+            return
+        self.proposer.begin(r.key, r.seq.view())
+        if features is not None:
+            self._keep_features(r, features, 0)
+            self.proposer.observe_hidden(r.key, features)
+
+    def _reads_features(self, r: Running) -> bool:
+        return r.policy is not None and self.proposer is not None and self.proposer.capabilities.target_hidden
 
     def _prefill(self, r: Running, row: int, n: int) -> None:
         """Prefill the next n prompt tokens of r in `row`; the last chunk emits the first output token."""
@@ -328,16 +272,13 @@ class Engine:
         self._share_hidden(r, hidden, 0, slice(None), start)
         if r.prefilled == seq.prompt_len:
             logits = self.target.compute_logits(hidden[0, -1:])  # the output matrix is the largest: last row only
-            if seq.prefill_group is not None:  # its sibling choices behind it copy this prefill
-                self._shared[seq.prefill_group] = _Prefilled(r, logits)
+            self._shares.offer(r, logits)  # its sibling choices behind it copy this prefill
             start_sequence(seq, logits, r.started)
 
     def _release(self, row: int) -> None:
         assert self.cache is not None
         self._remember(row)
-        group = self.running[row].seq.prefill_group
-        if group is not None and group in self._shared and self._shared[group].source is self.running[row]:
-            del self._shared[group]  # its row is gone: siblings still waiting prefill on their own
+        self._shares.forget(self.running[row])
         if self.running[row].policy is not None and self.proposer is not None:
             self.proposer.release(self.running[row].key)
         last = len(self.running) - 1
@@ -350,39 +291,23 @@ class Engine:
             self.cache.move_row(last + 1, last)
 
     def _remember(self, row: int) -> None:
-        """Pool the committed blocks of a running row (its K/V, and features where kept)."""
-        pool, cache = self.prefix_cache, self.cache
-        if pool is None or cache is None:
-            return
+        """Pool the committed blocks of a running row (its K/V, and features where its proposer reads them)."""
         r = self.running[row]
-        # Slots below the length hold committed tokens only; a stop inside an accepted block keeps fewer.
-        n = min(cache.lengths[row], len(r.seq.token_ids))
-        size = pool.block_size
-        hidden = r.policy is not None and self.proposer is not None and self.proposer.capabilities.target_hidden
-        if hidden and r.features is None:
-            return
-
-        def read(i: int, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-            k, v = cache.read_span(row, i * size, m)
-            features = r.features[i * size : i * size + m].clone() if r.features is not None else None
-            return k, v, features
-
-        pool.insert(r.seq.token_ids[:n], read, has_features=r.features is not None)
+        if self.prefix_cache is not None and self.cache is not None and (
+                r.features is not None or not self._reads_features(r)):
+            self.prefix_cache.remember(self.cache, row, r.seq.token_ids, r.features)
 
     def _keep_features(self, r: Running, features: torch.Tensor, at: int) -> None:
         """Record features [m, F] of positions at.. for pooling (prefix cache on, a feature-reading proposer) and
         for the sibling choices that copy the row's prompt."""
-        if self.prefix_cache is None and r.seq.prefill_group is None:
-            return
-        if r.features is None:
-            r.features = torch.empty(self.max_len + MAX_TREE_NODES, features.shape[-1], dtype=features.dtype,
-                                     device=features.device)
-        r.features[at : at + features.shape[0]] = features
+        if self.prefix_cache is not None or r.seq.prefill_group is not None:
+            r.keep_features(features, at, self.max_len + MAX_TREE_NODES)
 
     def _share_hidden(self, r: Running, hidden: torch.Tensor, row: int, index: slice | list[int], at: int) -> None:
         """Head proposers read the target's features of the positions just kept (from position `at` on): from the
         forward's final-norm output hidden [B, T, D], or from the layers it captured for a fused-feature head."""
-        if r.policy is not None and self.proposer is not None and self.proposer.capabilities.target_hidden:
+        if self._reads_features(r):
+            assert self.proposer is not None
             source = hidden if self.target.captured is None else self.target.captured
             kept = source[row, index]
             self._keep_features(r, kept, at)
@@ -413,16 +338,15 @@ class Engine:
             self._release(i)
         end = time.perf_counter()
         self.last_step_seconds = end - t_start
-        self._decode_seconds = smoothed(self._decode_seconds, end - t_decode)
-        self._log_step(lengths, rows, t1 - t0, t_decode - t_start)
+        self._chunks.decode_ran(end - t_decode)
+        log_step(lengths.ks, [r.num_drafted for r in rows], lengths.node_budget, t1 - t0, t_decode - t_start,
+                 self.last_step_seconds)
         return touched
 
     def _schedule(self) -> Lengths:
         """Each row's draft length and the per-row tree budget, from the cost of the whole batch forward."""
         self._recent_rows.append(len(self.running) + len(self.waiting))
-        # A dip below the recent batch size (requests finishing just before the next ones arrive) is
-        # transient: a row that would have to catch up first pays it all now, not over the rest of its request.
-        dip = max(self._recent_rows, default=0) > len(self.running)
+        dip = max(self._recent_rows, default=0) > len(self.running)  # a transient dip below the recent load
         wants = []
         for r in self.running:
             seq = r.seq
@@ -434,18 +358,12 @@ class Engine:
         return choose_lengths(wants, self._cost, width, self.k_max)
 
     def _catch_up_share(self, r: Running, k: int, dip: bool) -> float:
-        """A row's draft catch-up (feeding what its proposer has not seen since it last drafted: the prompt at
-        first) spread over the steps left to the request at its expected tokens per step: it is paid once, and
-        the drafter then keeps up while the row drafts (a row that pauses and resumes pays it again)."""
+        """What the row's draft catch-up charges this step (engine/schedule.py `catch_up_share`)."""
         if self.proposer is None or self._cost is None or not self.proposer.capabilities.catch_up:
             return 0.0
-        tokens = self.proposer.catch_up_tokens(r.key, r.seq.view())
-        if tokens == 0:
-            return 0.0
         assert r.policy is not None
-        left = min(CATCH_UP_HORIZON_TOKENS, r.seq.params.max_tokens - r.seq.num_output)
-        horizon = 1.0 if dip else max(1.0, left / r.policy.tracker.expected_tokens(k))
-        return tokens * self._cost.catch_up_token_seconds / horizon
+        return catch_up_share(self.proposer.catch_up_tokens(r.key, r.seq.view()), self._cost.catch_up_token_seconds,
+                              r.seq.params.max_tokens - r.seq.num_output, r.policy.tracker.expected_tokens(k), dip)
 
     def _propose(self, lengths: Lengths) -> list[RowTree]:
         """One proposer call for every drafting row; tree rows get the prompt-lookup branch grafted."""
@@ -519,11 +437,3 @@ class Engine:
         if self.proposer is not None and not r.seq.finished:
             own = sum(1 for n in v.nodes if n <= row.drafted)
             self.proposer.on_verified(r.key, r.seq.view(), accepted, own)
-
-    def _log_step(self, lengths: Lengths, rows: list[RowTree], draft_seconds: float, admit_seconds: float) -> None:
-        if STEP_LOG is not None:  # diagnosing load-aware drafting and chunked prefill: one JSON line per step
-            with open(STEP_LOG, "a") as f:
-                f.write(json.dumps({"rows": len(rows), "ks": lengths.ks, "drafted": [r.num_drafted for r in rows],
-                                    "node_budget": lengths.node_budget,
-                                    "draft_s": round(draft_seconds, 4), "admit_s": round(admit_seconds, 4),
-                                    "step_s": round(self.last_step_seconds, 4)}) + "\n")

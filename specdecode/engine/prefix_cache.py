@@ -23,8 +23,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from specdecode.model.kv_cache import KVCache
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -111,6 +115,31 @@ class PrefixCache:
         so a later feature-reading request still matches them."""
         with self._lock:
             return self._insert(tokens, read, has_features)
+
+    def restore(self, cache: KVCache, row: int, tokens: list[int], limit: int, need_features: bool = False,
+                ) -> tuple[int, torch.Tensor | None]:
+        """Copy the pooled K/V of the longest prefix of tokens[:limit] into `row` of `cache` from slot 0; returns
+        the tokens restored and, with `need_features`, their features [n, F] (None when nothing matched)."""
+        blocks = self.match(tokens, limit, need_features)
+        n = 0
+        for block in blocks:
+            cache.write_span(row, n, block.k, block.v)
+            n += len(block.tokens)
+        features = torch.cat([b.features for b in blocks]) if blocks and need_features else None  # type: ignore[misc]
+        return n, features
+
+    def remember(self, cache: KVCache, row: int, tokens: list[int], features: torch.Tensor | None) -> int:
+        """Pool the committed tokens of `row` of `cache` (`tokens`, cut to the row's length: a stop inside an
+        accepted block keeps fewer tokens than slots, and slots past the length hold scratch) with their
+        features [>= n, F] where given; returns the blocks added."""
+        n = min(cache.lengths[row], len(tokens))
+        size = self.block_size
+
+        def read(i: int, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            k, v = cache.read_span(row, i * size, m)
+            return k, v, None if features is None else features[i * size : i * size + m].clone()
+
+        return self.insert(tokens[:n], read, has_features=features is not None)
 
     def clear(self) -> None:
         with self._lock:

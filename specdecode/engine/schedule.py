@@ -16,6 +16,10 @@ from specdecode.engine.adaptive import AdaptiveK, CostModel, tree_node_budget
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, priced_nodes
 from specdecode.tree import MAX_TREE_NODES
 
+CATCH_UP_HORIZON_TOKENS = 256
+"""Output tokens over which a draft's catch-up forward is amortised when deciding whether a row drafts: the
+rest of the request, up to about a chat answer's length (max_tokens is only a bound; EOS often comes first)."""
+
 
 @dataclass
 class RowWant:
@@ -48,6 +52,18 @@ class Lengths:
     """Tree nodes each tree row may verify."""
 
 
+def catch_up_share(tokens: int, token_seconds: float, tokens_left: int, tokens_per_step: float, dip: bool) -> float:
+    """Seconds a row's draft catch-up (feeding `tokens` its proposer has not seen since it last drafted: the
+    prompt at first) charges this step: spread over the steps left to the request at its expected tokens per
+    step, as it is paid once and the drafter then keeps up while the row drafts. In a dip below the recent
+    batch size (requests finishing just before the next ones arrive) a row pays it all now, since the load
+    that made it pause returns."""
+    if tokens == 0:
+        return 0.0
+    horizon = 1.0 if dip else max(1.0, min(CATCH_UP_HORIZON_TOKENS, tokens_left) / tokens_per_step)
+    return tokens * token_seconds / horizon
+
+
 def node_budget(cost: CostModel | None, k_max: int, rows: int) -> int:
     """Tree nodes per row when `rows` rows share the forward (DEFAULT_NODE_BUDGET before any measurement)."""
     if cost is None:
@@ -77,3 +93,13 @@ def choose_lengths(wants: list[RowWant], cost: CostModel | None, tree_width: int
         if rate > best_rate * (1 + 1e-9):
             best_cap, best_rate = cap, rate
     return Lengths([w.k if f else min(w.k, best_cap) for w, f in zip(wants, free, strict=True)], budget)
+
+
+def row_cost(cost: CostModel, tree_width: int, k_max: int) -> CostModel:
+    """The cost model a request alone sizes its own k with: a tree row verifies, at each depth, the nodes a
+    lone row's budget affords."""
+    if tree_width == 1:
+        return cost
+    budget = node_budget(cost, k_max, 1)
+    return cost.with_tree_nodes(
+        tuple(min(MAX_TREE_NODES, priced_nodes(tree_width, budget, k)) for k in range(1, k_max + 1)))

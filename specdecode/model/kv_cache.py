@@ -152,8 +152,13 @@ class KVCache:
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src's valid entries into row dst (keeps running sequences in rows 0..n-1)."""
         n = self.lengths[src]
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.pos[dst, :n] = self.pos[src, :n]
+        self.copy_prefix(src, dst, n)
         self.lengths[dst] = n
         self.lengths[src] = 0
+
+    def take_rows(self, old: KVCache) -> None:
+        """Copy every row of a smaller cache (entries, positions and lengths) into this one's first rows."""
+        n = old.batch_size
+        self.k[:, :n], self.v[:, :n] = old.k, old.v
+        self.pos[:n] = old.pos
+        self.lengths[:n] = old.lengths

@@ -1,0 +1,34 @@
+"""A running request's row state in the engine: its sequence, drafting policy, prefill progress and the
+target's features of its kept positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.engine.adaptive import AdaptiveK
+from specdecode.engine.sequence import Sequence
+
+
+@dataclass
+class Running:
+    seq: Sequence
+    key: int
+    """The row's drafting state in the batch proposer."""
+    policy: AdaptiveK | None
+    """None: the row never drafts (no proposer, or the request asked for k = 0)."""
+    k_override: int | None = None
+    prefilled: int = 0
+    """Prompt tokens whose K/V is in the row (a prefix-cache hit, then prefill chunks)."""
+    started: float = 0.0
+    """perf_counter when its first prefill forward began (0: not yet)."""
+    features: torch.Tensor | None = None
+    """[size, F] the target's features of the row's kept positions, pooled with its K/V blocks or copied by
+    its sibling choices (only for proposers that read them, with the prefix cache on or a prefill group)."""
+
+    def keep_features(self, features: torch.Tensor, at: int, size: int) -> None:
+        """Record features [m, F] of positions at..at+m in a buffer of `size` positions."""
+        if self.features is None:
+            self.features = features.new_empty(size, features.shape[-1])
+        self.features[at : at + features.shape[0]] = features
