@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of each mode per level, alternating plain, spec, spec, plain (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="server batch rows (default: max concurrency)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="server batch rows (default: 16, or the highest concurrency if more), the same server for "
+                        "a partial rerun as for the full table")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server")
     p.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
     return p.parse_args(argv)
@@ -77,11 +79,11 @@ def start_server(args: argparse.Namespace, max_num_seqs: int,
     """`specdecode serve` with the model flags of `args` (and `extra` flags) on a free port, once healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-           "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs),
+           "--quantization", args.quantization, "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs),
            "--log-level", "warning", *extra]
     for flag, value in (("--device", args.device), ("--max-model-len", args.max_model_len),
                         ("--speculative-config", args.speculative_config), ("--draft", args.draft),
-                        ("--method", args.method), ("--num-speculative-tokens", args.num_speculative_tokens)):
+                        ("--method", args.method), ("--head", args.head), ("--num-speculative-tokens", args.num_speculative_tokens)):
         if value is not None:
             cmd += [flag, str(value)]
     print("starting:", " ".join(cmd), file=sys.stderr)
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # Every level resends the same prompts: without the prefix cache, plain and speculative runs prefill
         # alike, so the ratio measures speculation alone (benchmarks/prefix_cache.py measures the cache).
-        proc, url = start_server(args, args.max_num_seqs or max(levels), ("--no-prefix-caching",))
+        proc, url = start_server(args, args.max_num_seqs or max(16, *levels), ("--no-prefix-caching",))
     try:
         model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
         for plain in (True, False):  # warm-up, excluded
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     spec_desc = args.speculative_config or (f"draft {args.draft}" if args.draft else args.method) or "server default"
-    header = (f"Serving throughput: {args.model} ({args.dtype}), speculation: {spec_desc}; {args.num_prompts} "
+    header = (f"Serving throughput: {args.model} ({args.dtype}, quantization {args.quantization}), speculation: {spec_desc}; {args.num_prompts} "
               f"{args.dataset} prompts per cell, max_tokens {args.max_tokens}, temperature {args.temperature}")
     table = markdown(rows, header)
     print(table)
