@@ -79,11 +79,13 @@ def start_server(args: argparse.Namespace, max_num_seqs: int,
     """`specdecode serve` with the model flags of `args` (and `extra` flags) on a free port, once healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-           "--quantization", args.quantization, "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs),
+           "--quantization", args.quantization,
+           "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs),
            "--log-level", "warning", *extra]
     for flag, value in (("--device", args.device), ("--max-model-len", args.max_model_len),
                         ("--speculative-config", args.speculative_config), ("--draft", args.draft),
-                        ("--method", args.method), ("--head", args.head), ("--num-speculative-tokens", args.num_speculative_tokens)):
+                        ("--method", args.method), ("--head", args.head),
+                        ("--num-speculative-tokens", args.num_speculative_tokens)):
         if value is not None:
             cmd += [flag, str(value)]
     print("starting:", " ".join(cmd), file=sys.stderr)
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     spec_desc = args.speculative_config or (f"draft {args.draft}" if args.draft else args.method) or "server default"
-    header = (f"Serving throughput: {args.model} ({args.dtype}, quantization {args.quantization}), speculation: {spec_desc}; {args.num_prompts} "
+    header = (f"Serving throughput: {args.model} ({args.dtype}, quantization {args.quantization}), "
+              f"speculation: {spec_desc}; {args.num_prompts} "
               f"{args.dataset} prompts per cell, max_tokens {args.max_tokens}, temperature {args.temperature}")
     table = markdown(rows, header)
     print(table)
