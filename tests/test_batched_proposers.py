@@ -195,3 +195,22 @@ def test_batched_eagle_equals_per_row(tree_width: int) -> None:
         for a, b in zip(step_ref, step_got, strict=True):
             _same(a, b)
     assert any(len(d.tokens) > 1 for d in got[1])
+
+
+def test_eagle_measures_its_level_cost_on_a_scratch_row_that_leaves_no_trace() -> None:
+    """The step cost is timed through `propose` itself, on a row of its own: rows drafting before and after the
+    measurement draft what they draft without it, and no cache row stays taken."""
+    target = _model(4)
+    head = new_head(target, "eagle", torch.arange(0, VOCAB, 2), seed=2)
+    feats = torch.randn(MAX_LEN, 32, generator=torch.Generator().manual_seed(1))  # [position, D]
+    drafts = []
+    for measure in (False, True):
+        rows = EagleRows(head, MAX_LEN, 0, 3)
+        view = _views(0.0)[3]
+        rows.begin(0, view)
+        rows.observe_hidden(0, feats[: len(view.token_ids) - 1])
+        if measure:
+            assert rows.step_cost_hint() > 0
+            assert rows.cache.used == {0} and set(rows.rows) == {0}
+        drafts.append(rows.propose([ProposeRow(0, view, 4, 12)])[0])
+    _same(drafts[0], drafts[1])

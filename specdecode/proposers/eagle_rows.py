@@ -12,6 +12,8 @@ drafts alone (up to the float rounding of a wider forward).
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,7 @@ from specdecode.proposers.ragged import Packed, RowInput, forward_rows
 from specdecode.proposers.row_cache import RowCache
 from specdecode.proposers.tree_growth import TreeGrower, TreeLevel, level_width
 from specdecode.proposers.tree_value import RowTreeValues, TreeValue, node_selector
+from specdecode.sampling import SamplingParams
 from specdecode.tree import MAX_TREE_NODES
 
 
@@ -102,9 +105,37 @@ class EagleRows(RowTreeValues):
         return 0
 
     def step_cost_hint(self) -> float:
+        """Seconds per draft level, measured once through `propose` itself (see `_level_seconds`)."""
         if self._cost == 0.0:
-            self._cost = eagle_level_seconds(self.head, self.tree_branching)
+            self._cost = eagle_level_seconds(self.head, self.tree_branching)  # what the measuring step selects by
+            self._cost = self._level_seconds()
         return self._cost
+
+    @torch.inference_mode()
+    def _level_seconds(self, context: int = 64, depth: int = 6, repeats: int = 3) -> float:
+        """A step's draft cost per level as the engine pays it: a scratch row with `context` positions drafts a
+        chain of `depth` levels (the catch-up forward that gives its root, each level's forward, output rows and
+        tree growth), median of `repeats` after a warm-up. A bare single-node head forward misses what surrounds
+        each forward (row packing, masks, output columns, growth), a large share of a level on a CPU."""
+        key = -1  # no engine row has a negative key
+        context = max(2, min(context, self.size - MAX_TREE_NODES - depth - 2))  # a short max_len leaves less room
+        # Distinct tokens: the prompt's own output columns, as a prompt has.
+        ids = [i % self.head.target_vocab_size for i in range(10, 10 + context + 1)]
+        view = SequenceView(ids, context, SamplingParams(temperature=0.0), torch.Generator())
+        self.begin(key, view)
+        row = self.rows[key]
+        row.num_features = context  # zero features: the cost does not depend on their values
+        self.features[row.slot][:context] = 0
+        samples = []
+        try:
+            for _ in range(repeats + 1):
+                row.num_cached = 0 if not samples else context - 1  # a warm-up over the context, then a step's catch-up
+                t0 = time.perf_counter()
+                self.propose([ProposeRow(key, view, depth, depth)])
+                samples.append((time.perf_counter() - t0) / depth)
+        finally:
+            self.release(key)
+        return statistics.median(samples[1:])
 
     def catch_up_token_seconds(self) -> float:
         return 0.0

@@ -50,7 +50,5 @@ class RowCache:
         cache = self.new_cache(rows)
         old = self.cache
         if old is not None:
-            n = old.batch_size
-            cache.k[:, :n], cache.v[:, :n], cache.pos[:n] = old.k, old.v, old.pos
-            cache.lengths[:n] = old.lengths
+            cache.take_rows(old)
         self.cache = cache
