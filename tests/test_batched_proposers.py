@@ -214,3 +214,18 @@ def test_eagle_measures_its_level_cost_on_a_scratch_row_that_leaves_no_trace() -
             assert rows.cache.used == {0} and set(rows.rows) == {0}
         drafts.append(rows.propose([ProposeRow(0, view, 4, 12)])[0])
     _same(drafts[0], drafts[1])
+
+
+def test_a_step_without_a_proposal_teaches_neither_rate() -> None:
+    """The engine reports every step of a drafting row, k = 0 steps included: only the step that verified a
+    proposal moves the draft's (or the guess's) acceptance rate."""
+    rows = DraftModelRows(DRAFT, MAX_LEN, prompt_lookup=(2, 5))
+    view = _views(0.0)[1]
+    rows.begin(0, view)
+    rows.propose([ProposeRow(0, view, 3, 3)])
+    rows.on_verified(0, view, 2, 2)
+    row = rows.rows[0]
+    learned = (row.draft_rate.value, row.guess_rate.value)
+    assert learned != (row.draft_rate.prior, row.guess_rate.prior)
+    rows.on_verified(0, view, 0, 0)  # a k = 0 step: nothing was proposed
+    assert (row.draft_rate.value, row.guess_rate.value) == learned

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.proposers.lookup_choice import AcceptanceRate, expected_tokens, guess_beats_draft
+from specdecode.proposers.lookup_choice import AcceptanceRate, expected_tokens, guess_beats, guess_beats_draft
 
 
 def test_expected_tokens() -> None:
@@ -39,3 +39,16 @@ def test_guess_beats_draft() -> None:
     # a good guess wins: (1 + .9 + .81 + .73 + .66) / .1 = 41.
     assert not guess_beats_draft(1, 4, 0.5, 0.95, flat, 0.02)
     assert guess_beats_draft(4, 4, 0.9, 0.95, flat, 0.02)
+
+
+def test_guess_beats_a_tree_by_tokens_per_second_of_step() -> None:
+    def steep(t: int) -> float:  # a forward over more tokens costs more
+        return 0.1 + 0.01 * t
+
+    assert not guess_beats(0, 1.0, 1.0, 1.0, steep)  # no guess
+    # A tree that emits 3 tokens in 0.2 s (15/s) against a 4-token guess at 0.8: 3.36 / 0.15 = 22/s.
+    assert guess_beats(4, 0.8, 3.0, 0.2, steep)
+    # The same guess against a tree of 5 tokens in 0.15 s (33/s).
+    assert not guess_beats(4, 0.8, 5.0, 0.15, steep)
+    # A guess that is seldom kept: 1.1 / 0.12 = 9/s.
+    assert not guess_beats(1, 0.1, 3.0, 0.2, steep)

@@ -9,6 +9,7 @@ import torch
 from tiny_helpers import GREEDY, record_proposers, tiny_prompts
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine.adaptive import CostModel
 from specdecode.engine.step_verify import tree_output_counts
 from specdecode.tree import build_tree
 
@@ -107,3 +108,39 @@ def test_tree_branching_defaults_per_method() -> None:
     assert SpeculativeConfig.from_any({"method": "eagle", "draft_tree_branching": 3}).tree_branching == 3
     with pytest.raises(ValueError, match="draft_tree_branching"):
         SpeculativeConfig.from_any({"method": "eagle", "draft_tree_branching": 9})
+
+
+def test_a_tree_row_proposes_its_lookup_guess_alone_where_that_pays(plain_tiny, tiny_llama_dir: Path,
+                                                                    tiny_llama_other_dir: Path) -> None:
+    """A tree row whose prompt-lookup guess promises more tokens per second than its tree (here each draft level
+    costs twice a target forward) proposes the guess alone: the drafter is not asked for that row, the guess
+    is verified as a chain, and the output stays exact."""
+    base, ref = plain_tiny
+    # One-token lookups: a random model's text repeats single tokens only.
+    spec = {**_spec(str(tiny_llama_other_dir), 2, 2, 3), "prompt_lookup_min": 1}
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
+    engine = llm.batch_engine(max_num_seqs=2)
+    engine.cost = CostModel.from_points({1: 0.01, 64: 0.01}, 64, draft_step_seconds=0.02)
+    asked, guessed = [], []
+    propose, winning_guess = engine.proposer.propose, engine._winning_guess
+
+    def proposing(asks: list) -> list:
+        asked.append(len(asks))
+        return propose(asks)
+
+    def guessing(r, k: int) -> list[int]:  # noqa: ANN001
+        guess = winning_guess(r, k)
+        if k > 0:  # a row that drafts this step: its guess, or its drafter
+            guessed.append(bool(guess))
+        return guess
+
+    engine.proposer.propose = proposing  # type: ignore[method-assign]
+    engine._winning_guess = guessing  # type: ignore[method-assign]
+    seqs = [llm.new_sequence(p, GREEDY) for p in tiny_prompts(llm)]
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    assert [s.output_ids for s in seqs] == ref
+    assert any(guessed) and not all(guessed)  # guesses where the text repeats, trees elsewhere
+    assert sum(asked) == guessed.count(False)  # every row that guessed skipped the drafter

@@ -33,7 +33,8 @@ from specdecode.engine.step_verify import Verified, start_sequence, verify_rows
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import BatchProposer, Draft, ProposeRow
-from specdecode.proposers.ngram_match import cap_draft_len
+from specdecode.proposers.lookup_choice import guess_beats
+from specdecode.proposers.ngram_match import cap_draft_len, ngram_match
 from specdecode.proposers.tree_growth import with_lookup_branch
 from specdecode.tree import MAX_TREE_NODES
 
@@ -366,18 +367,33 @@ class Engine:
                               r.seq.params.max_tokens - r.seq.num_output, r.policy.tracker.expected_tokens(k), dip)
 
     def _propose(self, lengths: Lengths) -> list[RowTree]:
-        """One proposer call for every drafting row; tree rows get the prompt-lookup branch grafted."""
+        """One proposer call for every drafting row; tree rows get the prompt-lookup branch grafted, or propose
+        the lookup guess alone where it promises more tokens per second than their tree."""
+        guesses = [self._winning_guess(r, k) for r, k in zip(self.running, lengths.ks, strict=True)]
         asks = [ProposeRow(r.key, r.seq.view(), k, max(k, lengths.node_budget))
-                for r, k in zip(self.running, lengths.ks, strict=True) if k > 0]
+                for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True) if k > 0 and not guess]
         drafts = iter(self.proposer.propose(asks) if asks and self.proposer is not None else [])
         rows = []
-        for r, k in zip(self.running, lengths.ks, strict=True):
-            draft = next(drafts) if k > 0 else Draft()
+        for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True):
+            r.guessed = len(guess)
+            draft = Draft(guess) if guess else next(drafts) if k > 0 else Draft()
             drafted = len(draft)
             if draft.is_tree:
                 draft = with_lookup_branch(draft, r.seq.token_ids, self.tree_lookup, k)
             rows.append(RowTree.of(r.seq.token_ids[-1], draft, drafted))
         return rows
+
+    def _winning_guess(self, r: Running, k: int) -> list[int]:
+        """A tree row's lookup guess where proposing it alone (no drafter forward, a forward over the guess only)
+        promises more tokens per second than its tree at depth k, as the draft model chooses for its chains."""
+        cost, policy = self.row_cost, r.policy
+        if (k == 0 or policy is None or cost is None or self.tree_lookup is None or self.proposer is None
+                or not self.proposer.capabilities.trees or r.seq.params.has_penalties):
+            return []
+        guess = ngram_match(r.seq.token_ids, *self.tree_lookup, k)
+        tree_tokens, tree_seconds = policy.tracker.expected_tokens(k), cost.step_seconds(k)
+        return guess if guess_beats(len(guess), r.guess_rate.value, tree_tokens, tree_seconds,
+                                    cost.target_forward_seconds) else []
 
     def _constrain(self, rows: list[RowTree]) -> list[torch.Tensor | None] | None:
         """Structured outputs: each row's grammar cuts its draft (rows edited in place) and masks its logits."""
@@ -433,7 +449,10 @@ class Engine:
         chain = row.is_chain
         depth, accepted = (min(v.depth, row.drafted), min(len(v.nodes), row.drafted)) if chain else (
             v.depth, len(v.nodes))
-        r.policy.observe(depth, accepted)
+        if r.guessed:  # the guess alone: its own rate learns, the policy's tree estimate stands
+            r.guess_rate.observe(depth, accepted)
+        else:
+            r.policy.observe(depth, accepted)
         if self.proposer is not None and not r.seq.finished:
             own = sum(1 for n in v.nodes if n <= row.drafted)
             self.proposer.on_verified(r.key, r.seq.view(), accepted, own)

@@ -3,12 +3,13 @@ target's features of its kept positions."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdecode.engine.adaptive import AdaptiveK
 from specdecode.engine.sequence import Sequence
+from specdecode.proposers.lookup_choice import AcceptanceRate
 
 
 @dataclass
@@ -23,6 +24,10 @@ class Running:
     """Prompt tokens whose K/V is in the row (a prefix-cache hit, then prefill chunks)."""
     started: float = 0.0
     """perf_counter when its first prefill forward began (0: not yet)."""
+    guess_rate: AcceptanceRate = field(default_factory=AcceptanceRate)
+    """Acceptance of the prompt-lookup guess proposed alone (a tree row's lookup-or-tree choice)."""
+    guessed: int = 0
+    """Tokens of the guess the row proposed alone in this step (0: its drafter's tree, or nothing)."""
     features: torch.Tensor | None = None
     """[size, F] the target's features of the row's kept positions, pooled with its K/V blocks or copied by
     its sibling choices (only for proposers that read them, with the prefix cache on or a prefill group)."""

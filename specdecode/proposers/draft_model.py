@@ -188,6 +188,7 @@ class DraftModelProposer(ProposerDefaults):
             self.tree_value.observe(own_accepted)
         if self._proposed:  # a chain (trees and k = 0 steps say nothing about either rate)
             (self.guess_rate if self._guessed else self.draft_rate).observe(self._proposed, num_accepted)
+            self._proposed = 0  # observed once: a later step the row does not draft in is not this proposal's
         # Our cache holds the prefix plus the first k-1 draft tokens; keep only accepted ones.
         valid = len(seq.token_ids) - 1  # everything but the step's new token is final
         self.num_cached = min(self.num_cached, valid)

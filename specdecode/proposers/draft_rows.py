@@ -88,6 +88,7 @@ class DraftModelRows(RowTreeValues):
             row.tree_value.observe(own_accepted)
         if row.proposed:  # a chain (trees and k = 0 steps say nothing about either rate)
             (row.guess_rate if row.guessed else row.draft_rate).observe(row.proposed, num_accepted)
+            row.proposed = 0  # observed once: a later step the row does not draft in is not this proposal's
         # The cache holds the prefix plus the first k-1 draft tokens; keep only accepted ones.
         row.num_cached = min(row.num_cached, len(seq.token_ids) - 1)
 

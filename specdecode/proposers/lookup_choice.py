@@ -1,10 +1,10 @@
-"""When a prompt-lookup guess beats running the draft model: pure functions of live acceptance and cost.
+"""When a prompt-lookup guess beats running the drafter: pure functions of live acceptance and cost.
 
-A draft model drafts well but costs a forward per token; prompt lookup costs nothing but offers a guess
-only when the suffix occurred before. When both can draft, propose the one with more expected tokens per
-second of step. Expected tokens use one acceptance rate per source (the chance each next token is kept,
-given the ones before were); costs come from the start-up measurement, never from a clock, so a seeded
-request drafts the same way on every run.
+A draft model or a head drafts well but costs a forward per token or tree level; prompt lookup costs nothing
+but offers a guess only when the suffix occurred before. When both can draft, propose the one with more
+expected tokens per second of step. Expected tokens use one acceptance rate per source (the chance each next
+token is kept, given the ones before were); costs come from the start-up measurement, never from a clock, so a
+seeded request drafts the same way on every run.
 """
 
 from __future__ import annotations
@@ -47,8 +47,14 @@ def guess_beats_draft(
     draft_step_seconds: float,
 ) -> bool:
     """True when verifying the guess yields at least the tokens per second of drafting k tokens."""
+    draft_seconds = target_seconds(k + 1) + k * draft_step_seconds
+    return guess_beats(guess_len, guess_alpha, expected_tokens(draft_alpha, k), draft_seconds, target_seconds)
+
+
+def guess_beats(guess_len: int, guess_alpha: float, draft_tokens: float, draft_seconds: float,
+                target_seconds: Callable[[int], float]) -> bool:
+    """True when verifying the guess alone yields at least the tokens per second of the drafter's step, which
+    emits `draft_tokens` on average in `draft_seconds` (a chain's or a tree's, its drafting included)."""
     if guess_len <= 0:
         return False
-    guess_rate = expected_tokens(guess_alpha, guess_len) / target_seconds(guess_len + 1)
-    draft_rate = expected_tokens(draft_alpha, k) / (target_seconds(k + 1) + k * draft_step_seconds)
-    return guess_rate >= draft_rate
+    return expected_tokens(guess_alpha, guess_len) / target_seconds(guess_len + 1) >= draft_tokens / draft_seconds
