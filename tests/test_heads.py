@@ -262,8 +262,10 @@ def test_random_head_greedy_equals_plain_smollm(tmp_path: Path, kind: str) -> No
 def test_heads_in_continuous_batching_keep_greedy_output(plain_tiny, tiny_llama_dir: Path, random_heads,
                                                          kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine feeds every row's proposer the target's features; rows draft trees, with the lookup branch
-    grafted onto them (here a guess is always found)."""
-    monkeypatch.setattr("specdecode.proposers.tree_growth.ngram_match", lambda tokens, lo, hi, k: [5, 6, 7][:k])
+    grafted onto them (here a guess is always found, and the lookup-or-tree choice, tested on its own in
+    test_tree_engine.py, is off so that every step drafts a tree)."""
+    monkeypatch.setattr("specdecode.engine.core.ngram_match", lambda tokens, lo, hi, k: [5, 6, 7][:k])
+    monkeypatch.setattr("specdecode.engine.core.Engine._guess_pays", lambda self, r, k, guess: False)
     base, ref = plain_tiny
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": kind, "model": str(random_heads[kind]), "num_speculative_tokens": 3})

@@ -83,7 +83,7 @@ def test_tree_with_lookup_branch_equals_plain(plain_tiny, tiny_llama_dir: Path, 
         i = next(i for i, p in enumerate(prompts) if token_ids[: len(p)] == p)
         return ref[i][len(token_ids) - len(prompts[i]):][:k]
 
-    monkeypatch.setattr("specdecode.proposers.tree_growth.ngram_match", oracle)
+    monkeypatch.setattr("specdecode.engine.core.ngram_match", oracle)
     for k in (4, "auto"):
         spec = {**_spec(str(tiny_llama_other_dir), 2, 2, 4), "num_speculative_tokens": k}
         llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
@@ -122,20 +122,20 @@ def test_a_tree_row_proposes_its_lookup_guess_alone_where_that_pays(plain_tiny, 
     engine = llm.batch_engine(max_num_seqs=2)
     engine.cost = CostModel.from_points({1: 0.01, 64: 0.01}, 64, draft_step_seconds=0.02)
     asked, guessed = [], []
-    propose, winning_guess = engine.proposer.propose, engine._winning_guess
+    propose, guess_pays = engine.proposer.propose, engine._guess_pays
 
     def proposing(asks: list) -> list:
         asked.append(len(asks))
         return propose(asks)
 
-    def guessing(r, k: int) -> list[int]:  # noqa: ANN001
-        guess = winning_guess(r, k)
+    def guessing(r, k: int, guess: list[int]) -> bool:  # noqa: ANN001
+        pays = guess_pays(r, k, guess)
         if k > 0:  # a row that drafts this step: its guess, or its drafter
-            guessed.append(bool(guess))
-        return guess
+            guessed.append(pays)
+        return pays
 
     engine.proposer.propose = proposing  # type: ignore[method-assign]
-    engine._winning_guess = guessing  # type: ignore[method-assign]
+    engine._guess_pays = guessing  # type: ignore[method-assign]
     seqs = [llm.new_sequence(p, GREEDY) for p in tiny_prompts(llm)]
     for seq in seqs:
         engine.add(seq)

@@ -369,31 +369,31 @@ class Engine:
     def _propose(self, lengths: Lengths) -> list[RowTree]:
         """One proposer call for every drafting row; tree rows get the prompt-lookup branch grafted, or propose
         the lookup guess alone where it promises more tokens per second than their tree."""
-        guesses = [self._winning_guess(r, k) for r, k in zip(self.running, lengths.ks, strict=True)]
+        trees = self.proposer is not None and self.proposer.capabilities.trees
+        lookup = self.tree_lookup if trees else None
+        guesses = [ngram_match(r.seq.token_ids, *lookup, k) if lookup is not None and k > 0 else []
+                   for r, k in zip(self.running, lengths.ks, strict=True)]
+        alone = [self._guess_pays(r, k, guess) for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True)]
         asks = [ProposeRow(r.key, r.seq.view(), k, max(k, lengths.node_budget))
-                for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True) if k > 0 and not guess]
+                for r, k, solo in zip(self.running, lengths.ks, alone, strict=True) if k > 0 and not solo]
         drafts = iter(self.proposer.propose(asks) if asks and self.proposer is not None else [])
         rows = []
-        for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True):
-            r.guessed = len(guess)
-            draft = Draft(guess) if guess else next(drafts) if k > 0 else Draft()
+        for r, k, guess, solo in zip(self.running, lengths.ks, guesses, alone, strict=True):
+            r.guessed = len(guess) if solo else 0
+            draft = Draft(guess) if solo else next(drafts) if k > 0 else Draft()
             drafted = len(draft)
-            if draft.is_tree:
-                draft = with_lookup_branch(draft, r.seq.token_ids, self.tree_lookup, k)
+            draft = with_lookup_branch(draft, guess)
             rows.append(RowTree.of(r.seq.token_ids[-1], draft, drafted))
         return rows
 
-    def _winning_guess(self, r: Running, k: int) -> list[int]:
-        """A tree row's lookup guess where proposing it alone (no drafter forward, a forward over the guess only)
-        promises more tokens per second than its tree at depth k, as the draft model chooses for its chains."""
+    def _guess_pays(self, r: Running, k: int, guess: list[int]) -> bool:
+        """A tree row's lookup guess promises, proposed alone (no drafter forward, a forward over the guess only),
+        more tokens per second than its tree at depth k, as the draft model chooses for its chains."""
         cost, policy = self.row_cost, r.policy
-        if (k == 0 or policy is None or cost is None or self.tree_lookup is None or self.proposer is None
-                or not self.proposer.capabilities.trees or r.seq.params.has_penalties):
-            return []
-        guess = ngram_match(r.seq.token_ids, *self.tree_lookup, k)
+        if not guess or policy is None or cost is None or r.seq.params.has_penalties:
+            return False
         tree_tokens, tree_seconds = policy.tracker.expected_tokens(k), cost.step_seconds(k)
-        return guess if guess_beats(len(guess), r.guess_rate.value, tree_tokens, tree_seconds,
-                                    cost.target_forward_seconds) else []
+        return guess_beats(len(guess), r.guess_rate.value, tree_tokens, tree_seconds, cost.target_forward_seconds)
 
     def _constrain(self, rows: list[RowTree]) -> list[torch.Tensor | None] | None:
         """Structured outputs: each row's grammar cuts its draft (rows edited in place) and masks its logits."""

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.proposers.base import Draft
-from specdecode.proposers.ngram_match import ngram_match
 from specdecode.tree import MAX_TREE_NODES
 
 DEFAULT_NODE_BUDGET = 16
@@ -202,14 +201,11 @@ def graft_chain(tokens: list[int], parents: list[int], chain: list[int],
     return tokens, parents
 
 
-def with_lookup_branch(draft: Draft, token_ids: list[int], lookup: tuple[int, int] | None, depth: int) -> Draft:
-    """A tree draft plus the prompt-lookup guess of `depth` tokens as one more branch: verification
-    checks both in the same target forward (copied text is accepted through the guess, the rest through
-    the drafter's tree). Chains and drafts without a guess come back unchanged."""
-    if lookup is None or not draft.is_tree:
-        return draft
-    guess = ngram_match(token_ids, *lookup, depth)
-    if not guess:
+def with_lookup_branch(draft: Draft, guess: list[int]) -> Draft:
+    """A tree draft plus the prompt-lookup guess as one more branch: verification checks both in the same
+    target forward (copied text is accepted through the guess, the rest through the drafter's tree). Chains
+    and drafts without a guess come back unchanged."""
+    if not guess or not draft.is_tree:
         return draft
     assert draft.parents is not None
     tokens, parents = graft_chain(draft.tokens, draft.parents, guess)
