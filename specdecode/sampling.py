@@ -280,6 +280,16 @@ def block_output_counts(base_counts: torch.Tensor, block_tokens: torch.Tensor) -
     return base_counts.unsqueeze(-2) + steps.cumsum(-2)  # [..., k+1, V]
 
 
+def tree_output_counts(base_counts: torch.Tensor, attn_mask: torch.Tensor, node_tokens: torch.Tensor) -> torch.Tensor:
+    """Output counts each tree node's distribution is conditioned on: base + the tokens on the path
+    from the root (excluded) to the node (included). attn_mask [n, n], node_tokens [n] -> [n, V]."""
+    device = base_counts.device  # the counts live with the logits; the tree buffers on the CPU
+    onehot = torch.zeros(node_tokens.shape[0], base_counts.shape[-1], device=device)  # [n, V]
+    onehot[1:].scatter_(1, node_tokens[1:, None].to(device), 1)  # the root is the pending token: already counted
+    # In float32 (CUDA has no integer matmul); exact, as each entry is a count below the tree's size.
+    return base_counts + (attn_mask.to(device, torch.float32) @ onehot).to(base_counts.dtype)
+
+
 # Largest uniform used: u * total then rounds strictly below total, so the search never runs past the
 # last token with positive mass (u * total may round up to total for u just below 1).
 _MAX_UNIFORM = 1.0 - 2.0**-52

@@ -14,6 +14,7 @@ from specdecode import SamplingParams, StructuredOutputsParams
 from specdecode.engine.constrain import constrain_row, fit_forced
 from specdecode.engine.core import Engine
 from specdecode.engine.plan import RowTree
+from specdecode.engine.prefill_share import PrefillShares
 from specdecode.engine.sequence import Sequence
 from specdecode.server.tools import ToolCallStream, parse_tool_calls, template_format
 
@@ -184,13 +185,14 @@ def test_first_token_of_every_prefill_path_follows_the_grammar(monkeypatch: pyte
     """A prompt prefilled in chunks while a row decodes, and two sibling choices that copy its prefill: each
     first token comes from the masked logits, through the choice's own matcher, and so do its logprobs."""
     copied: list[bool] = []
-    real_copy = Engine._copy_sibling
+    real_copy = PrefillShares.copy_into
 
     def copy(self, *args):  # noqa: ANN001, ANN002, ANN202
-        copied.append(real_copy(self, *args))
-        return copied[-1]
+        shared = real_copy(self, *args)
+        copied.append(shared is not None)
+        return shared
 
-    monkeypatch.setattr(Engine, "_copy_sibling", copy)
+    monkeypatch.setattr(PrefillShares, "copy_into", copy)
     engine = Engine(TARGET, 64, max_num_seqs=4, max_waiting=None, max_num_batched_tokens=16)
     cpu = torch.device("cpu")
     busy = Sequence("busy", [1, 2], SamplingParams(max_tokens=20, temperature=0), _NoText(), VOCAB, cpu, 0)

@@ -10,7 +10,7 @@ from tiny_helpers import GREEDY, record_proposers, tiny_prompts
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.adaptive import CostModel
-from specdecode.engine.step_verify import tree_output_counts
+from specdecode.sampling import tree_output_counts
 from specdecode.tree import build_tree
 
 TREES = [(2, 2, 3), (4, 2, 4), (3, 3, 6)]  # (width, branching, depth)

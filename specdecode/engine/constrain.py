@@ -166,6 +166,20 @@ def constrain_row(row: RowTree, matcher: TokenMatcher, forced_room: int = 0) -> 
     return row, torch.stack(rows)  # [n', V]
 
 
+def mask_logits(logits: torch.Tensor, offsets: list[int], masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """The grammar masks applied: logits [N, V] over every row's nodes, masks[i] bool [n_i, V] (None: row i
+    is unconstrained) -> logits with forbidden tokens at -inf, so every processor and the rejection
+    sampling (acceptance and residuals) see the constrained target distribution."""
+    if all(m is None for m in masks):
+        return logits
+    out = logits.clone()
+    for i, mask in enumerate(masks):
+        if mask is not None:
+            lo, hi = offsets[i], offsets[i + 1]
+            out[lo:hi].masked_fill_(~mask.to(out.device), float("-inf"))
+    return out
+
+
 def constrain_rows(seqs: list[Sequence], trackers: list[AcceptanceTracker | None], rows: list[RowTree],
                    max_len: int, forward_seconds: Callable[[int], float] | None) -> list[torch.Tensor | None] | None:
     """The constrain phase: cut the drafted tokens each row's grammar forbids (rows edited in place) and return

@@ -212,38 +212,21 @@ class Engine:
         assert self.cache is not None
         drafts = self.proposer is not None and k_override != 0
         r = Running(seq, next(self._keys), self._policy(k_override) if drafts else None, k_override)
-        if self._copy_sibling(r, len(self.running)):
+        hidden, next_waiting = self._reads_features(r), self.waiting[0][0] if self.waiting else None
+        shared = self._shares.copy_into(r, len(self.running), self.running, next_waiting, self.cache, hidden)
+        if shared is not None:
+            features = shared.source.features
+            self._begin(r, features[: seq.prompt_len] if hidden and features is not None else None)
+            start_sequence(seq, shared.logits, r.started)
             return r
         features = None
         if self.prefix_cache is not None:  # the prompt's last token is always computed: its logits give the first
             r.prefilled, features = self.prefix_cache.restore(self.cache, len(self.running), seq.token_ids,
-                                                              seq.prompt_len - 1, self._reads_features(r))
+                                                              seq.prompt_len - 1, hidden)
         seq.cached_tokens = r.prefilled
         self.cache.set_length(len(self.running), r.prefilled)
         self._begin(r, features)
         return r
-
-    def _copy_sibling(self, r: Running, row: int) -> bool:
-        """A choice whose sibling (same prefill group and prompt) finished its prefill and still runs: copy that
-        row's prompt K/V and features, and draw the first token from its logits. False: nothing to copy from."""
-        seq = r.seq
-        done = self._shares.take(seq, self.waiting[0][0] if self.waiting else None)
-        if done is None:
-            return False
-        source, hidden = done.source, self._reads_features(r)
-        src = next((i for i, x in enumerate(self.running) if x is source), -1)
-        if (src < 0 or source.seq.token_ids[: seq.prompt_len] != seq.token_ids
-                or (hidden and (source.features is None or source.policy is None))):
-            return False
-        assert self.cache is not None
-        r.started = time.perf_counter()
-        self.cache.copy_prefix(src, row, seq.prompt_len)
-        self.cache.set_length(row, seq.prompt_len)
-        r.prefilled = seq.prompt_len
-        seq.cached_tokens = source.seq.cached_tokens  # the one prompt prefill the choices share
-        self._begin(r, source.features[: seq.prompt_len] if hidden and source.features is not None else None)
-        start_sequence(seq, done.logits, r.started)
-        return True
 
     def _begin(self, r: Running, features: torch.Tensor | None) -> None:
         """Start the row's drafting state, with the target's features [P, F] of the positions already kept."""
@@ -251,8 +234,7 @@ class Engine:
             return
         self.proposer.begin(r.key, r.seq.view())
         if features is not None:
-            self._keep_features(r, features, 0)
-            self.proposer.observe_hidden(r.key, features)
+            self._feed(r, features, 0)
 
     def _reads_features(self, r: Running) -> bool:
         return r.policy is not None and self.proposer is not None and self.proposer.capabilities.target_hidden
@@ -298,21 +280,20 @@ class Engine:
                 r.features is not None or not self._reads_features(r)):
             self.prefix_cache.remember(self.cache, row, r.seq.token_ids, r.features)
 
-    def _keep_features(self, r: Running, features: torch.Tensor, at: int) -> None:
-        """Record features [m, F] of positions at.. for pooling (prefix cache on, a feature-reading proposer) and
-        for the sibling choices that copy the row's prompt."""
-        if self.prefix_cache is not None or r.seq.prefill_group is not None:
-            r.keep_features(features, at, self.max_len + MAX_TREE_NODES)
-
     def _share_hidden(self, r: Running, hidden: torch.Tensor, row: int, index: slice | list[int], at: int) -> None:
         """Head proposers read the target's features of the positions just kept (from position `at` on): from the
         forward's final-norm output hidden [B, T, D], or from the layers it captured for a fused-feature head."""
         if self._reads_features(r):
-            assert self.proposer is not None
             source = hidden if self.target.captured is None else self.target.captured
-            kept = source[row, index]
-            self._keep_features(r, kept, at)
-            self.proposer.observe_hidden(r.key, kept)
+            self._feed(r, source[row, index], at)
+
+    def _feed(self, r: Running, features: torch.Tensor, at: int) -> None:
+        """The target's features [m, F] of positions at.. go to the row's proposer, and are kept for pooling
+        (prefix cache on) and for the sibling choices that copy the row's prompt."""
+        assert self.proposer is not None
+        if self.prefix_cache is not None or r.seq.prefill_group is not None:
+            r.keep_features(features, at, self.max_len + MAX_TREE_NODES)
+        self.proposer.observe_hidden(r.key, features)
 
     # ---- one step -------------------------------------------------------------------------------------
 

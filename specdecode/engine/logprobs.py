@@ -57,3 +57,13 @@ def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: list[in
         top = tuple(zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True))
         out.append(TokenLogprob(tok, float(lp[j, tok]), top))
     return out
+
+
+def path_logprobs(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None, nodes: list[int],
+                  tokens: list[int], prompt_mask: torch.Tensor | None) -> list[TokenLogprob] | None:
+    """Logprobs of a row's output tokens (None unless the request asks): logits [n, V] and counts [n, V] (or
+    None) over the row's nodes; token j comes from node path[j] (the root, then the accepted `nodes`)."""
+    if params.logprobs is None:
+        return None
+    path = [0, *nodes]
+    return token_logprobs(logits[path], params, tokens, None if counts is None else counts[path], prompt_mask)

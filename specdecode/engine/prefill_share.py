@@ -5,12 +5,14 @@ runs."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from specdecode.engine.running import Running
 from specdecode.engine.sequence import Sequence
+from specdecode.model.kv_cache import KVCache
 
 
 @dataclass
@@ -37,6 +39,27 @@ class PrefillShares:
         done = self._by_group.get(group) if group is not None else None
         if done is not None and (next_waiting is None or next_waiting.prefill_group is not group):
             del self._by_group[group]
+        return done
+
+    def copy_into(self, r: Running, row: int, running: list[Running], next_waiting: Sequence | None,
+                  cache: KVCache, features: bool) -> SharedPrefill | None:
+        """Copy the prefill r's group shares into `row` of `cache`: its source's prompt K/V, while the source
+        still runs with the same prompt (and has the features, where r's proposer reads them). Returns the
+        share (its logits give r's first token; its source's features those of r's prompt), or None."""
+        seq = r.seq
+        done = self.take(seq, next_waiting)
+        if done is None:
+            return None
+        source = done.source
+        src = next((i for i, x in enumerate(running) if x is source), -1)
+        if (src < 0 or source.seq.token_ids[: seq.prompt_len] != seq.token_ids
+                or (features and (source.features is None or source.policy is None))):
+            return None
+        r.started = time.perf_counter()
+        cache.copy_prefix(src, row, seq.prompt_len)
+        cache.set_length(row, seq.prompt_len)
+        r.prefilled = seq.prompt_len
+        seq.cached_tokens = source.seq.cached_tokens  # the one prompt prefill the choices share
         return done
 
     def __len__(self) -> int:

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.engine.logprobs import TokenLogprob, mask_early_stops, token_logprobs
+from specdecode.engine.constrain import mask_logits
+from specdecode.engine.logprobs import TokenLogprob, mask_early_stops, path_logprobs, token_logprobs
 from specdecode.engine.plan import RowTree, StepPlan
 from specdecode.engine.sequence import Sequence
-from specdecode.sampling import draw_uniforms, logits_to_probs, sample_from_probs
+from specdecode.sampling import draw_uniforms, logits_to_probs, sample_from_probs, tree_output_counts
 from specdecode.verify import verify_tree, verify_tree_greedy
 
 
@@ -31,30 +32,6 @@ class Verified:
     """Positions the row offered: its tree's longest path."""
     logprobs: list[TokenLogprob] | None = None
     """One per token when the request asks for logprobs."""
-
-
-def tree_output_counts(base_counts: torch.Tensor, attn_mask: torch.Tensor, node_tokens: torch.Tensor) -> torch.Tensor:
-    """Output counts each tree node's distribution is conditioned on: base + the tokens on the path
-    from the root (excluded) to the node (included). attn_mask [n, n], node_tokens [n] -> [n, V]."""
-    device = base_counts.device  # the counts live with the logits; the tree buffers on the CPU
-    onehot = torch.zeros(node_tokens.shape[0], base_counts.shape[-1], device=device)  # [n, V]
-    onehot[1:].scatter_(1, node_tokens[1:, None].to(device), 1)  # the root is the pending token: already counted
-    # In float32 (CUDA has no integer matmul); exact, as each entry is a count below the tree's size.
-    return base_counts + (attn_mask.to(device, torch.float32) @ onehot).to(base_counts.dtype)
-
-
-def mask_logits(logits: torch.Tensor, offsets: list[int], masks: list[torch.Tensor | None]) -> torch.Tensor:
-    """The grammar masks applied: logits [N, V] over every row's nodes, masks[i] bool [n_i, V] (None: row i
-    is unconstrained) -> logits with forbidden tokens at -inf, so every processor and the rejection
-    sampling (acceptance and residuals) see the constrained target distribution."""
-    if all(m is None for m in masks):
-        return logits
-    out = logits.clone()
-    for i, mask in enumerate(masks):
-        if mask is not None:
-            lo, hi = offsets[i], offsets[i + 1]
-            out[lo:hi].masked_fill_(~mask.to(out.device), float("-inf"))
-    return out
 
 
 def sample_first(seq: Sequence, last_logits: torch.Tensor) -> int:
@@ -84,16 +61,6 @@ def start_sequence(seq: Sequence, last_logits: torch.Tensor, started: float) -> 
     seq.append(first, logprob)
 
 
-def _path_logprobs(seq: Sequence, logits: torch.Tensor, counts: torch.Tensor | None, nodes: list[int],
-                   out: list[int]) -> list[TokenLogprob] | None:
-    """Logprobs of the row's output tokens: token j from the node path[j] (the root, then the accepted nodes)."""
-    if seq.params.logprobs is None:
-        return None
-    path = [0, *nodes]
-    rows = None if counts is None else counts[path]
-    return token_logprobs(logits[path], seq.params, out, rows, seq.prompt_mask)
-
-
 def verify_row(seq: Sequence, row: RowTree, plan: StepPlan, i: int, logits: torch.Tensor,
                argmax: torch.Tensor | None) -> Verified:
     """Row i of the plan; logits [n, V] over its nodes; argmax [n] when the row is greedy without penalties."""
@@ -103,7 +70,7 @@ def verify_row(seq: Sequence, row: RowTree, plan: StepPlan, i: int, logits: torc
     if argmax is not None:
         nodes, out = verify_tree_greedy(tokens, tree, argmax)
         return Verified(out.tolist(), list(nodes), tree.max_depth,
-                        _path_logprobs(seq, logits, None, list(nodes), out.tolist()))
+                        path_logprobs(logits, params, None, list(nodes), out.tolist(), seq.prompt_mask))
     logits = mask_early_stops(logits, params, seq.eos_token_id, seq.num_output, tree.depth)
     counts = None if seq.output_counts is None else tree_output_counts(seq.output_counts, tree.attn_mask, tokens)
     target_probs = logits_to_probs(logits, params, counts, seq.prompt_mask).cpu()  # [n, V]
@@ -118,7 +85,7 @@ def verify_row(seq: Sequence, row: RowTree, plan: StepPlan, i: int, logits: torc
         probs = None if row.draft_probs is None else row.draft_probs.cpu()
         nodes, out = verify_tree(tokens, tree, probs, target_probs, u)
     return Verified(out.tolist(), list(nodes), tree.max_depth,
-                    _path_logprobs(seq, logits, counts, list(nodes), out.tolist()))
+                    path_logprobs(logits, params, counts, list(nodes), out.tolist(), seq.prompt_mask))
 
 
 def verify_rows(seqs: list[Sequence], rows: list[RowTree], plan: StepPlan, logits: torch.Tensor,
