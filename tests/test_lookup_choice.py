@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.proposers.lookup_choice import AcceptanceRate, expected_tokens, guess_beats, guess_beats_draft
+from specdecode.proposers.lookup_choice import (
+    AcceptanceRate,
+    best_guess_len,
+    expected_tokens,
+    guess_beats,
+    guess_beats_draft,
+)
 
 
 def test_expected_tokens() -> None:
@@ -52,3 +58,21 @@ def test_guess_beats_a_tree_by_tokens_per_second_of_step() -> None:
     assert not guess_beats(4, 0.8, 5.0, 0.15, steep)
     # A guess that is seldom kept: 1.1 / 0.12 = 9/s.
     assert not guess_beats(1, 0.1, 3.0, 0.2, steep)
+
+
+def test_best_guess_len_weighs_a_longer_tail_against_a_wider_forward() -> None:
+    def flat(t: int) -> float:
+        return 0.05
+
+    def steep(t: int) -> float:  # a fixed cost plus a tenth of it per token verified
+        return 0.1 + 0.01 * t
+
+    def linear(t: int) -> float:  # every token verified costs as much as the first
+        return 0.01 * t
+
+    assert best_guess_len(8, 0.6, flat) == 8  # a free tail: every kept token is a gain
+    assert best_guess_len(8, 0.95, steep) == 8  # a tail that is almost always kept repays its tokens
+    # 1.5 / 0.12 = 12.5/s, 1.75 / 0.13 = 13.5/s, 1.875 / 0.14 = 13.4/s: a half-kept tail pays for one more token.
+    assert best_guess_len(8, 0.5, steep) == 2
+    assert best_guess_len(8, 0.95, linear) == 1  # each token kept at most as often as it costs
+    assert best_guess_len(1, 0.1, steep) == 1

@@ -10,6 +10,7 @@ from tiny_helpers import GREEDY, record_proposers, tiny_prompts
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.adaptive import CostModel
+from specdecode.proposers.ngram_match import ngram_match
 from specdecode.sampling import tree_output_counts
 from specdecode.tree import build_tree
 
@@ -122,20 +123,20 @@ def test_a_tree_row_proposes_its_lookup_guess_alone_where_that_pays(plain_tiny, 
     engine = llm.batch_engine(max_num_seqs=2)
     engine.cost = CostModel.from_points({1: 0.01, 64: 0.01}, 64, draft_step_seconds=0.02)
     asked, guessed = [], []
-    propose, guess_pays = engine.proposer.propose, engine._guess_pays
+    propose, solo_guess = engine.proposer.propose, engine._solo_guess
 
     def proposing(asks: list) -> list:
         asked.append(len(asks))
         return propose(asks)
 
-    def guessing(r, k: int, guess: list[int]) -> bool:  # noqa: ANN001
-        pays = guess_pays(r, k, guess)
+    def guessing(r, k: int, guess: list[int], node_budget: int) -> list[int]:  # noqa: ANN001
+        solo = solo_guess(r, k, guess, node_budget)
         if k > 0:  # a row that drafts this step: its guess, or its drafter
-            guessed.append(pays)
-        return pays
+            guessed.append(bool(solo))
+        return solo
 
     engine.proposer.propose = proposing  # type: ignore[method-assign]
-    engine._guess_pays = guessing  # type: ignore[method-assign]
+    engine._solo_guess = guessing  # type: ignore[method-assign]
     seqs = [llm.new_sequence(p, GREEDY) for p in tiny_prompts(llm)]
     for seq in seqs:
         engine.add(seq)
@@ -144,3 +145,25 @@ def test_a_tree_row_proposes_its_lookup_guess_alone_where_that_pays(plain_tiny, 
     assert [s.output_ids for s in seqs] == ref
     assert any(guessed) and not all(guessed)  # guesses where the text repeats, trees elsewhere
     assert sum(asked) == guessed.count(False)  # every row that guessed skipped the drafter
+
+
+def test_a_guess_proposed_alone_runs_on_past_the_tree_depth(tiny_llama_dir: Path, tiny_llama_other_dir: Path) -> None:
+    """A guess matched at the tree's depth k, proposed alone, runs on while the copy goes on: up to the row's own
+    cap on k and the nodes its tree would verify, and no further than the tokens the request has left."""
+    spec = {"method": "draft", "model": str(tiny_llama_other_dir), "draft_tree_width": 2, "draft_tree_branching": 2,
+            "prompt_lookup_min": 1}
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
+    engine = llm.batch_engine(max_num_seqs=2)
+    engine.cost = CostModel.from_points({1: 0.01, 64: 0.01}, 64, draft_step_seconds=0.02)  # a free guess tail
+    period = list(range(5, 13))
+    for max_tokens in (40, 4):
+        engine.add(llm.new_sequence(period * 3, SamplingParams(max_tokens=max_tokens, temperature=0)))
+    engine.step()  # the prefills
+    long, short = engine.running
+    tokens = long.seq.token_ids
+    assert ngram_match(tokens, 1, 5, 8)[:2] == ngram_match(tokens, 1, 5, 2)  # the copy goes on past depth 2
+    assert engine._solo_guess(long, 2, ngram_match(tokens, 1, 5, 2), 16) == ngram_match(tokens, 1, 5, 8)  # k_max
+    assert engine._solo_guess(long, 2, ngram_match(tokens, 1, 5, 2), 5) == ngram_match(tokens, 1, 5, 5)  # nodes
+    # 3 tokens left after the first: a step verifies at most 2 drafts, and emits its own token after them.
+    assert short.seq.token_ids == tokens
+    assert engine._solo_guess(short, 2, ngram_match(tokens, 1, 5, 2), 16) == ngram_match(tokens, 1, 5, 2)

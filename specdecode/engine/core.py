@@ -33,7 +33,7 @@ from specdecode.engine.step_verify import Verified, start_sequence, verify_rows
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import BatchProposer, Draft, ProposeRow
-from specdecode.proposers.lookup_choice import guess_beats
+from specdecode.proposers.lookup_choice import best_guess_len, guess_beats
 from specdecode.proposers.ngram_match import cap_draft_len, ngram_match
 from specdecode.proposers.tree_growth import with_lookup_branch
 from specdecode.tree import MAX_TREE_NODES
@@ -354,27 +354,37 @@ class Engine:
         lookup = self.tree_lookup if trees else None
         guesses = [ngram_match(r.seq.token_ids, *lookup, k) if lookup is not None and k > 0 else []
                    for r, k in zip(self.running, lengths.ks, strict=True)]
-        alone = [self._guess_pays(r, k, guess) for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True)]
+        solos = [self._solo_guess(r, k, guess, lengths.node_budget)
+                 for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True)]
         asks = [ProposeRow(r.key, r.seq.view(), k, max(k, lengths.node_budget))
-                for r, k, solo in zip(self.running, lengths.ks, alone, strict=True) if k > 0 and not solo]
+                for r, k, solo in zip(self.running, lengths.ks, solos, strict=True) if k > 0 and not solo]
         drafts = iter(self.proposer.propose(asks) if asks and self.proposer is not None else [])
         rows = []
-        for r, k, guess, solo in zip(self.running, lengths.ks, guesses, alone, strict=True):
-            r.guessed = len(guess) if solo else 0
-            draft = Draft(guess) if solo else next(drafts) if k > 0 else Draft()
+        for r, k, guess, solo in zip(self.running, lengths.ks, guesses, solos, strict=True):
+            r.guessed = len(solo)
+            draft = Draft(solo) if solo else next(drafts) if k > 0 else Draft()
             drafted = len(draft)
             draft = with_lookup_branch(draft, guess)
             rows.append(RowTree.of(r.seq.token_ids[-1], draft, drafted))
         return rows
 
-    def _guess_pays(self, r: Running, k: int, guess: list[int]) -> bool:
-        """A tree row's lookup guess promises, proposed alone (no drafter forward, a forward over the guess only),
-        more tokens per second than its tree at depth k, as the draft model chooses for its chains."""
-        cost, policy = self.row_cost, r.policy
-        if not guess or policy is None or cost is None or r.seq.params.has_penalties:
-            return False
+    def _solo_guess(self, r: Running, k: int, guess: list[int], node_budget: int) -> list[int]:
+        """The lookup guess a tree row proposes alone (no drafter forward, a forward over the guess only) where
+        that promises more tokens per second than its tree at depth k, as the draft model chooses for its
+        chains; [] where the tree pays more. Alone, a guess cut at k runs on while the copy goes on, up to the
+        row's own cap and the nodes its tree would verify, at the length with the most tokens per second."""
+        cost, policy, seq = self.row_cost, r.policy, r.seq
+        if not guess or policy is None or cost is None or seq.params.has_penalties:
+            return []
+        reach = min(cap_draft_len(self.k_max, len(seq.token_ids), self.max_len, seq.params.max_tokens - seq.num_output),
+                    max(k, node_budget))
+        if len(guess) == k < reach:
+            assert self.tree_lookup is not None
+            guess = ngram_match(seq.token_ids, *self.tree_lookup, reach)
+        alpha, forward = r.guess_rate.value, cost.target_forward_seconds
+        n = best_guess_len(len(guess), alpha, forward)
         tree_tokens, tree_seconds = policy.tracker.expected_tokens(k), cost.step_seconds(k)
-        return guess_beats(len(guess), r.guess_rate.value, tree_tokens, tree_seconds, cost.target_forward_seconds)
+        return guess[:n] if guess_beats(n, alpha, tree_tokens, tree_seconds, forward) else []
 
     def _constrain(self, rows: list[RowTree]) -> list[torch.Tensor | None] | None:
         """Structured outputs: each row's grammar cuts its draft (rows edited in place) and masks its logits."""

@@ -58,3 +58,9 @@ def guess_beats(guess_len: int, guess_alpha: float, draft_tokens: float, draft_s
     if guess_len <= 0:
         return False
     return expected_tokens(guess_alpha, guess_len) / target_seconds(guess_len + 1) >= draft_tokens / draft_seconds
+
+
+def best_guess_len(guess_len: int, guess_alpha: float, target_seconds: Callable[[int], float]) -> int:
+    """The prefix of a guess (1..guess_len tokens) whose verification alone yields the most expected tokens per
+    second: a longer guess costs a wider forward, worth it while its tail is likely to be kept."""
+    return max(range(1, guess_len + 1), key=lambda n: expected_tokens(guess_alpha, n) / target_seconds(n + 1))
