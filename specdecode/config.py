@@ -43,10 +43,9 @@ class SpeculativeConfig:
     """Upper bound on k when num_speculative_tokens is "auto"."""
     draft_prompt_lookup: bool = True
     """Use prompt-lookup guesses (prompt_lookup_min/max) beside the drafter. Draft-model chains: the guesses
-    ride along in the draft's forwards (a run the draft would have drafted anyway costs one forward), and a
-    step verifies the guess alone when it promises more tokens per second than drafting. Trees (draft
-    model, EAGLE, Medusa): the guess is grafted onto the tree as one more branch, or verified alone (the
-    drafter not run) when that promises more tokens per second than the tree."""
+    ride along in the draft's forwards (a run the draft would have drafted anyway costs one forward). Trees
+    (draft model, EAGLE, Medusa): the guess is grafted onto the tree as one more branch. Every drafter: a step
+    verifies the guess alone (the drafter not run) when that promises more tokens per second than drafting."""
     head_prompt_tokens: bool = False
     """EAGLE and Medusa heads also score the prompt's tokens that their draft vocabulary lacks (names and words
     an answer copies; needs a target whose output rows are its input embeddings, as Qwen2.5's). Off by default:

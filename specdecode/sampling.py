@@ -261,25 +261,6 @@ def processed_logprobs(
     return torch.log_softmax((x / params.temperature).masked_fill(~kept, float("-inf")), dim=-1)
 
 
-def block_output_counts(base_counts: torch.Tensor, block_tokens: torch.Tensor) -> torch.Tensor:
-    """Output counts seen by each verification position of a block of draft tokens.
-
-    base_counts: [..., V] int counts of the output so far; block_tokens: [..., k] draft tokens.
-    Returns [..., k+1, V]: row i = base_counts + occurrences of block_tokens[..., :i], because the
-    target's distribution at position i is conditioned on the draft tokens before it as output.
-    """
-    k = block_tokens.shape[-1]
-    vocab = base_counts.shape[-1]
-    lead = block_tokens.shape[:-1]
-    # One-hot of each draft token placed in the row *after* it, then a prefix sum over rows.
-    steps = torch.zeros(*lead, k + 1, vocab, dtype=base_counts.dtype, device=base_counts.device)
-    if k:
-        ones = torch.ones(block_tokens.shape, dtype=base_counts.dtype, device=base_counts.device)
-        index = block_tokens.to(base_counts.device, torch.long).unsqueeze(-1)  # tokens may come from the CPU
-        steps[..., 1:, :].scatter_add_(-1, index, ones.unsqueeze(-1))
-    return base_counts.unsqueeze(-2) + steps.cumsum(-2)  # [..., k+1, V]
-
-
 def tree_output_counts(base_counts: torch.Tensor, attn_mask: torch.Tensor, node_tokens: torch.Tensor) -> torch.Tensor:
     """Output counts each tree node's distribution is conditioned on: base + the tokens on the path
     from the root (excluded) to the node (included). attn_mask [n, n], node_tokens [n] -> [n, V]."""

@@ -75,3 +75,23 @@ def chi_square_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
         obs_cells[smallest] += small_obs
         exp_cells[smallest] += small_exp
     return float(scipy.stats.chisquare(obs_cells, exp_cells).pvalue)
+
+
+def block_output_counts(base_counts: torch.Tensor, block_tokens: torch.Tensor) -> torch.Tensor:
+    """Output counts seen by each verification position of a block of draft tokens (the batched chain
+    reference for `tree_output_counts`).
+
+    base_counts: [..., V] int counts of the output so far; block_tokens: [..., k] draft tokens.
+    Returns [..., k+1, V]: row i = base_counts + occurrences of block_tokens[..., :i], because the
+    target's distribution at position i is conditioned on the draft tokens before it as output.
+    """
+    k = block_tokens.shape[-1]
+    vocab = base_counts.shape[-1]
+    lead = block_tokens.shape[:-1]
+    # One-hot of each draft token placed in the row *after* it, then a prefix sum over rows.
+    steps = torch.zeros(*lead, k + 1, vocab, dtype=base_counts.dtype, device=base_counts.device)
+    if k:
+        ones = torch.ones(block_tokens.shape, dtype=base_counts.dtype, device=base_counts.device)
+        index = block_tokens.to(base_counts.device, torch.long).unsqueeze(-1)  # tokens may come from the CPU
+        steps[..., 1:, :].scatter_add_(-1, index, ones.unsqueeze(-1))
+    return base_counts.unsqueeze(-2) + steps.cumsum(-2)  # [..., k+1, V]

@@ -538,3 +538,16 @@ def test_a_probe_in_a_batch_is_capped_where_widening_the_forward_does_not_pay() 
     assert choose_lengths([RowWant(1, probing())], cost, 1, 4).ks == [1]
     plain = [RowWant(0, AdaptiveK(fixed_k=0)) for _ in range(7)]
     assert choose_lengths([RowWant(1, probing()), *plain], cost, 1, 4).ks == [0] * 8
+
+
+def test_a_guess_proposed_alone_is_priced_without_the_drafters_steps() -> None:
+    """A row wants 3 tokens, each kept at the rate 0.6 given the ones before. From its draft model, whose steps cost
+    as much as a target forward, they cost more than they bring, so the cap turns the row off; as a lookup guess
+    proposed alone (no drafter forward, no catch-up) they pay, and the row keeps them."""
+    from specdecode.engine.adaptive import AdaptiveK
+    from specdecode.engine.schedule import RowWant, choose_lengths
+
+    cost = CostModel.from_points({1: 0.05, 16: 0.06}, 16, draft_step_seconds=0.05)
+    assert AdaptiveK(cost).tracker.alpha(0) == 0.6
+    assert choose_lengths([RowWant(3, AdaptiveK(cost))], cost, 1, 4).ks == [0]
+    assert choose_lengths([RowWant(3, AdaptiveK(cost), guess_rate=0.6)], cost, 1, 4).ks == [3]

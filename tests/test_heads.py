@@ -265,7 +265,7 @@ def test_heads_in_continuous_batching_keep_greedy_output(plain_tiny, tiny_llama_
     grafted onto them (here a guess is always found, and the lookup-or-tree choice, tested on its own in
     test_tree_engine.py, is off so that every step drafts a tree)."""
     monkeypatch.setattr("specdecode.engine.core.ngram_match", lambda tokens, lo, hi, k: [5, 6, 7][:k])
-    monkeypatch.setattr("specdecode.engine.core.Engine._solo_guess", lambda self, r, k, guess, node_budget: [])
+    monkeypatch.setattr("specdecode.engine.core.Engine._solo_guess", lambda self, r, k, node_budget, catch_up: [])
     base, ref = plain_tiny
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": kind, "model": str(random_heads[kind]), "num_speculative_tokens": 3})

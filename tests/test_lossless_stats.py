@@ -18,11 +18,10 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from stat_helpers import chain_logits, chi_square_pvalue, markov_joint
+from stat_helpers import block_output_counts, chain_logits, chi_square_pvalue, markov_joint
 
 from specdecode.sampling import (
     SamplingParams,
-    block_output_counts,
     draw_uniforms,
     logits_to_probs,
     sample_from_probs,

@@ -9,11 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stat_helpers import block_output_counts
 
 from specdecode.sampling import (
     SamplingParams,
     apply_penalties,
-    block_output_counts,
     draw_uniforms,
     logits_to_probs,
     sample_from_probs,

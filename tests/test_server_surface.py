@@ -22,9 +22,10 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("openai")
 
 from server_helpers import API_KEY, LiveServer  # noqa: E402
+from stat_helpers import block_output_counts  # noqa: E402
 
 from specdecode import LLM, SamplingParams  # noqa: E402
-from specdecode.sampling import LOGPROB_FLOOR, block_output_counts, processed_logprobs  # noqa: E402
+from specdecode.sampling import LOGPROB_FLOOR, processed_logprobs  # noqa: E402
 from specdecode.server.app import build_app  # noqa: E402
 from specdecode.server.logprobs_format import TokenText  # noqa: E402
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stat_helpers import block_output_counts
 from tiny_helpers import GREEDY, record_proposers, tiny_prompts
 
 from specdecode import LLM, SamplingParams
@@ -73,6 +74,14 @@ def test_tree_output_counts_follow_each_path() -> None:
     assert counts[3, 4] == 2 and counts[3, 7] == 1 and counts[3, 9] == 0
 
 
+def test_tree_output_counts_on_a_chain_are_the_block_counts() -> None:
+    # A chain is a tree with one branch: each node sees the drafts before it, as a verified block does.
+    tokens = torch.tensor([9, 4, 4, 1, 7])  # the pending token, then four drafts
+    base = torch.tensor([0, 2, 0, 0, 0, 0, 0, 1, 0, 3])
+    chain = tree_output_counts(base, build_tree([-1, 0, 1, 2, 3]).attn_mask, tokens)  # [5, 10]
+    assert torch.equal(chain, block_output_counts(base, tokens[1:]))
+
+
 def test_tree_with_lookup_branch_equals_plain(plain_tiny, tiny_llama_dir: Path, tiny_llama_other_dir: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A random drafter's trees plus a grafted guess that is the target's own continuation (an oracle in
@@ -129,8 +138,8 @@ def test_a_tree_row_proposes_its_lookup_guess_alone_where_that_pays(plain_tiny, 
         asked.append(len(asks))
         return propose(asks)
 
-    def guessing(r, k: int, guess: list[int], node_budget: int) -> list[int]:  # noqa: ANN001
-        solo = solo_guess(r, k, guess, node_budget)
+    def guessing(r, k: int, node_budget: int, catch_up: float) -> list[int]:  # noqa: ANN001
+        solo = solo_guess(r, k, node_budget, catch_up)
         if k > 0:  # a row that drafts this step: its guess, or its drafter
             guessed.append(bool(solo))
         return solo
@@ -145,6 +154,36 @@ def test_a_tree_row_proposes_its_lookup_guess_alone_where_that_pays(plain_tiny, 
     assert [s.output_ids for s in seqs] == ref
     assert any(guessed) and not all(guessed)  # guesses where the text repeats, trees elsewhere
     assert sum(asked) == guessed.count(False)  # every row that guessed skipped the drafter
+
+
+def test_a_row_whose_drafter_does_not_pay_proposes_its_lookup_guess_alone(plain_tiny, tiny_llama_dir: Path,
+                                                                        tiny_llama_other_dir: Path) -> None:
+    """A draft-model chain whose steps cost ten target forwards never pays, so its rows would decode plainly;
+    where the text repeats they propose their lookup guess alone instead (no draft forward), exactly. The n-gram
+    proposer, the lookup itself, has no drafter cost to save and never does."""
+    base, ref = plain_tiny
+    spec = {"method": "draft", "model": str(tiny_llama_other_dir), "prompt_lookup_min": 1}
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
+    engine = llm.batch_engine(max_num_seqs=2)
+    engine.cost = CostModel.from_points({1: 0.01, 64: 0.01}, 64, draft_step_seconds=0.1)
+    asked = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda asks: asked.append(len(asks)) or propose(asks)  # type: ignore[method-assign]
+    seqs = [llm.new_sequence(p, GREEDY) for p in tiny_prompts(llm)]
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    assert [s.output_ids for s in seqs] == ref
+    assert all(s.stats.draft_tokens > 0 for s in seqs) and not asked  # guesses only: the drafter never ran
+
+    ngram = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram", "prompt_lookup_min": 1})
+    engine = ngram.batch_engine(max_num_seqs=1)
+    engine.add(ngram.new_sequence(list(range(5, 13)) * 3, SamplingParams(max_tokens=8, temperature=0)))
+    engine.step()
+    assert engine.cost is not None and engine.cost.draft_step_seconds == 0
+    row = engine.running[0]
+    assert ngram_match(row.seq.token_ids, 1, 5, 4) and engine._solo_guess(row, 4, 16, 0.0) == []
 
 
 def test_a_guess_proposed_alone_runs_on_past_the_tree_depth(tiny_llama_dir: Path, tiny_llama_other_dir: Path) -> None:
@@ -162,8 +201,8 @@ def test_a_guess_proposed_alone_runs_on_past_the_tree_depth(tiny_llama_dir: Path
     long, short = engine.running
     tokens = long.seq.token_ids
     assert ngram_match(tokens, 1, 5, 8)[:2] == ngram_match(tokens, 1, 5, 2)  # the copy goes on past depth 2
-    assert engine._solo_guess(long, 2, ngram_match(tokens, 1, 5, 2), 16) == ngram_match(tokens, 1, 5, 8)  # k_max
-    assert engine._solo_guess(long, 2, ngram_match(tokens, 1, 5, 2), 5) == ngram_match(tokens, 1, 5, 5)  # nodes
+    assert engine._solo_guess(long, 2, 16, 0.0) == ngram_match(tokens, 1, 5, 8)  # k_max
+    assert engine._solo_guess(long, 2, 5, 0.0) == ngram_match(tokens, 1, 5, 5)  # nodes
     # 3 tokens left after the first: a step verifies at most 2 drafts, and emits its own token after them.
     assert short.seq.token_ids == tokens
-    assert engine._solo_guess(short, 2, ngram_match(tokens, 1, 5, 2), 16) == ngram_match(tokens, 1, 5, 2)
+    assert engine._solo_guess(short, 2, 16, 0.0) == ngram_match(tokens, 1, 5, 2)

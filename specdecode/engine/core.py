@@ -26,7 +26,7 @@ from specdecode.engine.plan import RowTree, StepPlan, build_plan
 from specdecode.engine.prefill_share import PrefillShares
 from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.running import Running
-from specdecode.engine.schedule import Lengths, RowWant, catch_up_share, choose_lengths, row_cost
+from specdecode.engine.schedule import Lengths, RowWant, catch_up_share, choose_lengths, node_budget, row_cost
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_log import log_step
 from specdecode.engine.step_verify import Verified, start_sequence, verify_rows
@@ -48,7 +48,7 @@ class Engine:
 
     def __init__(self, target: Transformer, max_len: int, proposer: BatchProposer | None = None, k_max: int = 0,
                  fixed_k: int | None = None, cost: CostModel | None = None, max_num_seqs: int = 8,
-                 max_waiting: int | None = 64, tree_lookup: tuple[int, int] | None = None,
+                 max_waiting: int | None = 64, lookup: tuple[int, int] | None = None,
                  allocate: bool = True, prefix_cache: PrefixCache | None = None,
                  max_num_batched_tokens: int | None = None) -> None:
         self.target = target
@@ -58,9 +58,10 @@ class Engine:
         """None: no bound (`LLM.generate` queues all its prompts)."""
         self.k_max = k_max if proposer is not None else 0
         self.fixed_k = fixed_k
-        self.tree_lookup = tree_lookup
-        """(min_n, max_n): every tree draft gets the prompt-lookup guess as one more branch, verified in the
-        same target forward (copied text is accepted through the guess, the rest through the drafter)."""
+        self.lookup = lookup
+        """(min_n, max_n) of prompt-lookup guesses: a row whose guess promises more tokens per second than its
+        drafter proposes the guess alone; every other tree draft gets the guess as one more branch, verified in
+        the same target forward (copied text is accepted through the guess, the rest through the drafter)."""
         self.proposer: BatchProposer | None = None
         self._cost: CostModel | None = None
         self.row_cost: CostModel | None = None
@@ -329,15 +330,24 @@ class Engine:
         """Each row's draft length and the per-row tree budget, from the cost of the whole batch forward."""
         self._recent_rows.append(len(self.running) + len(self.waiting))
         dip = max(self._recent_rows, default=0) > len(self.running)  # a transient dip below the recent load
-        wants = []
+        budget = node_budget(self._cost, self.k_max, len(self.running))
+        wants, guesses = [], []
         for r in self.running:
-            seq = r.seq
-            left = seq.params.max_tokens - seq.num_output
-            allowed = cap_draft_len(self.k_max, len(seq.token_ids), self.max_len, left)
-            k = r.policy.next_k(allowed) if r.policy is not None else 0
-            wants.append(RowWant(k, r.policy, self._catch_up_share(r, k, dip) if k > 0 else 0.0))
+            k = r.policy.next_k(self._allowed(r)) if r.policy is not None else 0
+            catch_up = self._catch_up_share(r, k, dip) if k > 0 else 0.0
+            guesses.append(self._solo_guess(r, k, budget, catch_up))
+            guess = guesses[-1]
+            wants.append(RowWant(len(guess), r.policy, guess_rate=r.guess_rate.value) if guess else
+                         RowWant(k, r.policy, catch_up))
         width = self.proposer.capabilities.tree_width if self.proposer is not None else 1
-        return choose_lengths(wants, self._cost, width, self.k_max)
+        lengths = choose_lengths(wants, self._cost, width, self.k_max)
+        lengths.solos = [guess[:k] for guess, k in zip(guesses, lengths.ks, strict=True)]
+        return lengths
+
+    def _allowed(self, r: Running) -> int:
+        """The row's cap on k: the engine's k_max, the context left, the tokens the request has left."""
+        seq = r.seq
+        return cap_draft_len(self.k_max, len(seq.token_ids), self.max_len, seq.params.max_tokens - seq.num_output)
 
     def _catch_up_share(self, r: Running, k: int, dip: bool) -> float:
         """What the row's draft catch-up charges this step (engine/schedule.py `catch_up_share`)."""
@@ -348,14 +358,13 @@ class Engine:
                               r.seq.params.max_tokens - r.seq.num_output, r.policy.tracker.expected_tokens(k), dip)
 
     def _propose(self, lengths: Lengths) -> list[RowTree]:
-        """One proposer call for every drafting row; tree rows get the prompt-lookup branch grafted, or propose
-        the lookup guess alone where it promises more tokens per second than their tree."""
+        """One proposer call for every row its drafter drafts; the rows the schedule chose it for propose their
+        lookup guess alone, and the other tree rows get it grafted as one more branch."""
         trees = self.proposer is not None and self.proposer.capabilities.trees
-        lookup = self.tree_lookup if trees else None
-        guesses = [ngram_match(r.seq.token_ids, *lookup, k) if lookup is not None and k > 0 else []
-                   for r, k in zip(self.running, lengths.ks, strict=True)]
-        solos = [self._solo_guess(r, k, guess, lengths.node_budget)
-                 for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True)]
+        lookup = self.lookup if trees else None
+        solos = lengths.solos
+        guesses = [ngram_match(r.seq.token_ids, *lookup, k) if lookup is not None and k > 0 and not solo else []
+                   for r, k, solo in zip(self.running, lengths.ks, solos, strict=True)]
         asks = [ProposeRow(r.key, r.seq.view(), k, max(k, lengths.node_budget))
                 for r, k, solo in zip(self.running, lengths.ks, solos, strict=True) if k > 0 and not solo]
         drafts = iter(self.proposer.propose(asks) if asks and self.proposer is not None else [])
@@ -368,23 +377,24 @@ class Engine:
             rows.append(RowTree.of(r.seq.token_ids[-1], draft, drafted))
         return rows
 
-    def _solo_guess(self, r: Running, k: int, guess: list[int], node_budget: int) -> list[int]:
-        """The lookup guess a tree row proposes alone (no drafter forward, a forward over the guess only) where
-        that promises more tokens per second than its tree at depth k, as the draft model chooses for its
-        chains; [] where the tree pays more. Alone, a guess cut at k runs on while the copy goes on, up to the
-        row's own cap and the nodes its tree would verify, at the length with the most tokens per second."""
+    def _solo_guess(self, r: Running, k: int, node_budget: int, catch_up: float) -> list[int]:
+        """The lookup guess the row proposes alone (no drafter forward, a forward over the guess only) where that
+        promises more tokens per second than its drafter's step at k (its catch-up included; at k = 0, a plain
+        step); [] where the drafter pays more, or where there is no drafter cost to save (the n-gram proposer is
+        the lookup itself). The guess reaches as far as the copy goes on, up to the row's own cap and the nodes
+        its tree would verify (a fixed k: k), and is cut at the length with the most tokens per second."""
         cost, policy, seq = self.row_cost, r.policy, r.seq
-        if not guess or policy is None or cost is None or seq.params.has_penalties:
+        if (self.lookup is None or policy is None or cost is None or cost.draft_step_seconds <= 0
+                or seq.params.has_penalties):
             return []
-        reach = min(cap_draft_len(self.k_max, len(seq.token_ids), self.max_len, seq.params.max_tokens - seq.num_output),
-                    max(k, node_budget))
-        if len(guess) == k < reach:
-            assert self.tree_lookup is not None
-            guess = ngram_match(seq.token_ids, *self.tree_lookup, reach)
+        reach = k if policy.fixed_k is not None else max(k, node_budget)  # a fixed k is the request's own depth
+        guess = ngram_match(seq.token_ids, *self.lookup, min(self._allowed(r), reach))
+        if not guess:
+            return []
         alpha, forward = r.guess_rate.value, cost.target_forward_seconds
         n = best_guess_len(len(guess), alpha, forward)
-        tree_tokens, tree_seconds = policy.tracker.expected_tokens(k), cost.step_seconds(k)
-        return guess[:n] if guess_beats(n, alpha, tree_tokens, tree_seconds, forward) else []
+        draft_tokens, draft_seconds = policy.tracker.expected_tokens(k), cost.step_seconds(k) + catch_up
+        return guess[:n] if guess_beats(n, alpha, draft_tokens, draft_seconds, forward) else []
 
     def _constrain(self, rows: list[RowTree]) -> list[torch.Tensor | None] | None:
         """Structured outputs: each row's grammar cuts its draft (rows edited in place) and masks its logits."""

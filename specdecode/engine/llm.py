@@ -189,7 +189,7 @@ class LLM:
         elif spec is not None:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
             self.proposer_factory = lambda: NgramProposer(lo, hi)
-        self.tree_lookup = lookup
+        self.lookup = lookup
         self.prefix_cache = (PrefixCache(int(prefix_cache_gb * 2**30))
                              if enable_prefix_caching and prefix_cache_gb > 0 else None)
         """One pool for every engine over these weights (`generate`'s and the server's)."""
@@ -234,7 +234,7 @@ class LLM:
     def _engine(self, proposer: BatchProposer | None, cost: CostModel | None, max_num_seqs: int,
                 max_waiting: int | None, allocate: bool) -> Engine:
         return Engine(self.target.model, self.max_model_len, proposer, self.k_max, self.fixed_k, cost, max_num_seqs,
-                      max_waiting, self.tree_lookup, allocate=allocate, prefix_cache=self.prefix_cache,
+                      max_waiting, self.lookup, allocate=allocate, prefix_cache=self.prefix_cache,
                       max_num_batched_tokens=self.max_num_batched_tokens)
 
     def batch_engine(self, max_num_seqs: int = 8, max_waiting: int = 64) -> Engine:

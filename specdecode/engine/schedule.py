@@ -5,14 +5,16 @@ target forward over every row's nodes, padded to the widest row, so what a row's
 the others: a tree row may verify as many nodes as the forward over all rows affords almost for free
 (`tree_node_budget` at this many rows), which falls toward a chain as rows join; and one batch-wide cap on
 the adaptive rows' k maximises the batch's expected tokens per second, which falls toward k = 0 under
-load. A k fixed by the server or by the request is honoured.
+load. A row that proposes its prompt-lookup guess alone is priced as a chain without draft steps or catch-up.
+A k fixed by the server or by the request is honoured.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdecode.engine.adaptive import AdaptiveK, CostModel, tree_node_budget
+from specdecode.proposers.lookup_choice import expected_tokens
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, priced_nodes
 from specdecode.tree import MAX_TREE_NODES
 
@@ -30,6 +32,9 @@ class RowWant:
     """None for a row that never drafts."""
     catch_up_seconds: float = 0.0
     """Seconds of the drafter's catch-up this step would pay (spread over the steps it serves)."""
+    guess_rate: float | None = None
+    """The row proposes a prompt-lookup guess of k tokens alone, each kept at this rate given the ones before
+    (the drafter does not run: no draft steps, no catch-up, a chain of k nodes); None: its drafter drafts."""
 
     def capped(self, rows: int) -> bool:
         """Capped by a batch of `rows` rows: not a fixed k, nor a free probe (one token that keeps a lone row's
@@ -41,6 +46,8 @@ class RowWant:
         return not self.policy.probing or self.catch_up_seconds > 0 or rows > 1
 
     def expected_tokens(self, k: int) -> float:
+        if self.guess_rate is not None:
+            return expected_tokens(self.guess_rate, k)
         return self.policy.tracker.expected_tokens(k) if self.policy is not None else 1.0
 
 
@@ -50,6 +57,8 @@ class Lengths:
     """Draft length (tree depth) per row."""
     node_budget: int
     """Tree nodes each tree row may verify."""
+    solos: list[list[int]] = field(default_factory=list)
+    """Per row: the prompt-lookup guess it proposes alone, cut to its k ([]: its drafter drafts, if k > 0)."""
 
 
 def catch_up_share(tokens: int, token_seconds: float, tokens_left: int, tokens_per_step: float, dip: bool) -> float:
@@ -78,17 +87,18 @@ def choose_lengths(wants: list[RowWant], cost: CostModel | None, tree_width: int
     if cost is None or not any(ks):
         return Lengths(ks, budget)
 
-    def nodes(k: int) -> int:
-        return priced_nodes(tree_width, budget, k) if tree_width != 1 else k
+    def nodes(w: RowWant, k: int) -> int:
+        return priced_nodes(tree_width, budget, k) if tree_width != 1 and w.guess_rate is None else k
 
     free = [not w.capped(len(wants)) for w in wants]
     best_cap, best_rate = 0, -1.0
     for cap in range(max(ks) + 1):
         capped = [w.k if f else min(w.k, cap) for w, f in zip(wants, free, strict=True)]
-        tokens = sum(w.expected_tokens(k) for w, k in zip(wants, capped, strict=True))
-        seconds = cost.target_forward_seconds(len(wants) * (max(nodes(k) for k in capped) + 1))
-        seconds += sum(capped) * cost.draft_step_seconds
-        seconds += sum(w.catch_up_seconds for w, k in zip(wants, capped, strict=True) if k > 0)
+        pairs = list(zip(wants, capped, strict=True))
+        tokens = sum(w.expected_tokens(k) for w, k in pairs)
+        seconds = cost.target_forward_seconds(len(wants) * (max(nodes(w, k) for w, k in pairs) + 1))
+        seconds += sum(k for w, k in pairs if w.guess_rate is None) * cost.draft_step_seconds
+        seconds += sum(w.catch_up_seconds for w, k in pairs if k > 0)
         rate = tokens / seconds
         if rate > best_rate * (1 + 1e-9):
             best_cap, best_rate = cap, rate

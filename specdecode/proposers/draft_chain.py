@@ -23,7 +23,7 @@ import torch
 from specdecode.proposers.base import Draft, SequenceView
 from specdecode.proposers.lookup_choice import AcceptanceRate
 from specdecode.proposers.ngram_match import ngram_match
-from specdecode.sampling import block_output_counts, draw_uniforms, logits_to_probs, sample_from_probs
+from specdecode.sampling import draw_uniforms, logits_to_probs, sample_from_probs
 
 
 class ChainDraft:
@@ -56,7 +56,8 @@ class ChainDraft:
             row_counts = None
             if seq.output_counts is not None:
                 # Position i sees the draft tokens before it as output, as the target will.
-                row_counts = block_output_counts(seq.output_counts, torch.tensor(self.tokens, dtype=torch.long))[-1]
+                drafted = torch.tensor(self.tokens, dtype=torch.long, device=seq.output_counts.device)
+                row_counts = seq.output_counts + torch.bincount(drafted, minlength=seq.output_counts.shape[-1])
             probs = logits_to_probs(row, params, row_counts, seq.prompt_mask)  # [V]
             if not self.stochastic:
                 tok = int(probs.argmax())
