@@ -116,6 +116,7 @@ def use(llm: LLM, proposer: Any, k: int | str) -> None:
         engine.fixed_k, engine.k_max = int(k), int(k)
     factory = proposer if callable(proposer) else (lambda: proposer)
     engine.set_proposer(RowProposers(factory))
+    engine.lookup = None  # every step is this drafter's: no lookup guess proposed alone in its place
 
 
 def assert_metrics_consistent(m: dict[str, Any], max_tokens: int) -> None:
