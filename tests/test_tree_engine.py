@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from stat_helpers import block_output_counts
-from tiny_helpers import GREEDY, record_proposers, tiny_prompts
+from tiny_helpers import GREEDY, record_proposers, run_batched, tiny_prompts
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.adaptive import CostModel
@@ -146,11 +146,7 @@ def test_a_tree_row_proposes_its_lookup_guess_alone_where_that_pays(plain_tiny, 
 
     engine.proposer.propose = proposing  # type: ignore[method-assign]
     engine._solo_guess = guessing  # type: ignore[method-assign]
-    seqs = [llm.new_sequence(p, GREEDY) for p in tiny_prompts(llm)]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work():
-        engine.step()
+    seqs = run_batched(llm, tiny_prompts(llm), GREEDY, engine=engine)
     assert [s.output_ids for s in seqs] == ref
     assert any(guessed) and not all(guessed)  # guesses where the text repeats, trees elsewhere
     assert sum(asked) == guessed.count(False)  # every row that guessed skipped the drafter
@@ -169,11 +165,7 @@ def test_a_row_whose_drafter_does_not_pay_proposes_its_lookup_guess_alone(plain_
     asked = []
     propose = engine.proposer.propose
     engine.proposer.propose = lambda asks: asked.append(len(asks)) or propose(asks)  # type: ignore[method-assign]
-    seqs = [llm.new_sequence(p, GREEDY) for p in tiny_prompts(llm)]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work():
-        engine.step()
+    seqs = run_batched(llm, tiny_prompts(llm), GREEDY, engine=engine)
     assert [s.output_ids for s in seqs] == ref
     assert all(s.stats.draft_tokens > 0 for s in seqs) and not asked  # guesses only: the drafter never ran
 

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine.core import Engine
 from specdecode.engine.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -20,9 +21,11 @@ def tiny_prompts(llm: LLM) -> list[list[int]]:
     return [llm.tokenizer.encode("def add(a, b):"), llm.tokenizer.encode("The quick brown fox")]
 
 
-def run_batched(llm: LLM, prompts: list[list[int]], params: SamplingParams, max_num_seqs: int = 2) -> list[Sequence]:
-    """Every prompt through the continuous-batching engine, stepped until done; the finished sequences."""
-    engine = llm.batch_engine(max_num_seqs=max_num_seqs)
+def run_batched(llm: LLM, prompts: list[list[int]], params: SamplingParams, max_num_seqs: int = 2,
+                engine: Engine | None = None) -> list[Sequence]:
+    """Every prompt through the continuous-batching engine (a new one, or `engine` as a test set it up), stepped
+    until done; the finished sequences."""
+    engine = engine if engine is not None else llm.batch_engine(max_num_seqs=max_num_seqs)
     seqs = [llm.new_sequence(p, params) for p in prompts]
     for seq in seqs:
         engine.add(seq)

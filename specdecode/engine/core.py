@@ -335,8 +335,8 @@ class Engine:
         for r in self.running:
             k = r.policy.next_k(self._allowed(r)) if r.policy is not None else 0
             catch_up = self._catch_up_share(r, k, dip) if k > 0 else 0.0
-            guesses.append(self._solo_guess(r, k, budget, catch_up))
-            guess = guesses[-1]
+            guess = self._solo_guess(r, k, budget, catch_up)
+            guesses.append(guess)
             wants.append(RowWant(len(guess), r.policy, guess_rate=r.guess_rate.value) if guess else
                          RowWant(k, r.policy, catch_up))
         width = self.proposer.capabilities.tree_width if self.proposer is not None else 1
