@@ -50,25 +50,27 @@ def unseen_requests(llm, n: int, out: Path) -> list[str]:  # noqa: ANN001 - an L
 def record_pools(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:  # noqa: ANN001
     """Greedy generation with the pool of every step kept whole (no pruning); per step the context length, the
     pool's tokens, parents and cumulative log-probabilities."""
-    import specdecode.proposers.heads as heads_mod
-    import specdecode.proposers.tree_growth as growth
+    from specdecode.proposers.base import Draft
+    from specdecode.proposers.eagle_rows import EagleRows
+    from specdecode.proposers.tree_growth import TreeGrower
     from specdecode.sampling import SamplingParams
 
     steps: list[dict] = []
     context = {"L": 0}
 
-    def keep_all(tokens, parents, scores, select):  # noqa: ANN001 - prune_to_best's signature
-        steps.append({"L": context["L"], "tokens": list(tokens), "parents": list(parents), "scores": list(scores)})
-        return tokens, parents
+    def keep_all(self: TreeGrower) -> Draft:  # the grown pool, recorded and verified whole
+        steps.append({"L": context["L"], "tokens": list(self.tokens), "parents": list(self.parents),
+                      "scores": list(self.scores)})
+        return Draft(list(self.tokens), None, list(self.parents))
 
-    original_propose = heads_mod.EagleProposer.propose
+    original_propose = EagleRows.propose
 
-    def propose(self, seq, k):  # noqa: ANN001
-        context["L"] = len(seq.token_ids)
-        return original_propose(self, seq, k)
+    def propose(self, asks):  # noqa: ANN001 - one request at a time: one row
+        context["L"] = len(asks[0].seq.token_ids)
+        return original_propose(self, asks)
 
-    growth.prune_to_best = keep_all
-    heads_mod.EagleProposer.propose = propose
+    TreeGrower.draft = keep_all
+    EagleRows.propose = propose
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     runs = []
     for ids in prompts:
@@ -134,8 +136,8 @@ def value_chosen(steps: list, orders: list[list[int]], draft_s: float, verify: d
 
 def head_level_seconds(llm, widths: list[int]) -> dict[int, float]:  # noqa: ANN001
     """Median seconds of one head level over m nodes (forward + draft logits + top-8), for each m."""
-    prop = llm.proposer_factory()  # one request's EAGLE proposer: the head and its cache
-    head = prop.head
+    head = llm.head
+    cache = head.new_cache(llm.max_model_len + MAX_TREE_NODES)
     out = {}
     with torch.inference_mode():
         for m in widths:
@@ -144,10 +146,10 @@ def head_level_seconds(llm, widths: list[int]) -> dict[int, float]:  # noqa: ANN
             samples = []
             for i in range(7):
                 t0 = time.perf_counter()
-                h = head(feats, toks, torch.full((1, m), i), prop.cache)
+                h = head(feats, toks, torch.full((1, m), i), cache)
                 torch.log_softmax(head.draft_logits(h[0]).float(), -1).topk(8)
                 samples.append(time.perf_counter() - t0)
-                prop.cache.reset()
+                cache.reset()
             out[m] = statistics.median(samples[1:])
     return out
 

@@ -1,4 +1,4 @@
-"""Batch-first drafting: one batched proposal equals each row's own proposal.
+"""Batch-first drafting: one batched proposal equals each row's own proposal (the row drafting alone).
 
 Tiny random models in fp32; rows differ in context length, draft length and how far behind their drafting
 state is (a fresh row catches up on its whole prompt while another feeds one token), and a second step
@@ -14,10 +14,8 @@ from specdecode.heads.persist import new_head
 from specdecode.model.config import ModelConfig
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, ProposeRow, SequenceView
-from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.proposers.eagle_rows import EagleRows
-from specdecode.proposers.heads import EagleProposer
 from specdecode.proposers.ragged import RowInput, pack
 from specdecode.sampling import SamplingParams
 
@@ -79,7 +77,7 @@ def _two_steps(propose, verified, views: list[SequenceView], ks: list[int]) -> l
 def _cheap_guesses(proposer) -> None:  # noqa: ANN001
     """Costs under which a row skips the draft model when its lookup guess pays (the lookup-or-draft choice)."""
     proposer.target_seconds = lambda t: 0.1
-    (proposer.probe if isinstance(proposer, DraftModelRows) else proposer)._cost = 0.02
+    proposer._costs = (0.02, 0.0)
 
 
 @pytest.mark.parametrize(("temperature", "tree_width", "lookup", "choose"),
@@ -91,20 +89,20 @@ def _cheap_guesses(proposer) -> None:  # noqa: ANN001
 def test_batched_draft_model_equals_per_row(temperature: float, tree_width: int, lookup, choose: bool) -> None:  # noqa: ANN001
     ks = [3, 4, 5, 2, 4]
     budget = 10
-    singles = [DraftModelProposer(DRAFT, MAX_LEN, tree_width, 2, lookup) for _ in ks]
+    singles = [DraftModelRows(DRAFT, MAX_LEN, tree_width, 2, lookup) for _ in ks]  # a proposer per row
     if choose:
         for p in singles:
             _cheap_guesses(p)
     views = _views(temperature)
     for p, v in zip(singles, views, strict=True):
-        p.begin(v)
+        p.begin(0, v)
 
     def one(vs: list[SequenceView], ks: list[int]) -> list[Draft]:
-        return [p.propose(v, k, budget) for p, v, k in zip(singles, vs, ks, strict=True)]
+        return [p.propose([ProposeRow(0, v, k, budget)])[0] for p, v, k in zip(singles, vs, ks, strict=True)]
 
     calls = []
     hook = DRAFT.register_forward_hook(lambda *_: calls.append(1))
-    ref = _two_steps(one, lambda i, v, n: singles[i].on_verified(v, n, n), views, ks)
+    ref = _two_steps(one, lambda i, v, n: singles[i].on_verified(0, v, n, n), views, ks)
     per_row_forwards, calls[:] = len(calls), []
 
     batched = DraftModelRows(DRAFT, MAX_LEN, tree_width, 2, lookup)
@@ -131,6 +129,37 @@ def test_batched_draft_model_equals_per_row(temperature: float, tree_width: int,
         assert any(guessed[0]) and not all(guessed[0]), guessed
 
 
+def _greedy_continuation(ids: list[int], n: int) -> list[int]:
+    """The draft's own n greedy tokens after ids, each from a forward over the whole sequence (no cache kept)."""
+    ids, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            hidden = DRAFT(torch.tensor([ids]), torch.arange(len(ids))[None], DRAFT.new_cache(1, len(ids)))
+            out.append(int(DRAFT.compute_logits(hidden[0, -1]).argmax()))
+            ids.append(out[-1])
+    return out
+
+
+def test_a_greedy_chain_is_the_draft_models_own_continuation() -> None:
+    """Against a reference without a cache: rows catching up on prompts of different lengths, then a second step
+    after a partial acceptance, each draft the draft model's greedy continuation of its row."""
+    ks = [3, 4, 5, 2, 4]
+    rows = DraftModelRows(DRAFT, MAX_LEN)
+    views = _views(0.0)
+    for key, v in enumerate(views):
+        rows.begin(key, v)
+    seen: list[list[list[int]]] = []
+
+    def propose(vs: list[SequenceView], ks: list[int]) -> list[Draft]:
+        seen.append([list(v.token_ids) for v in vs])
+        return rows.propose([ProposeRow(i, v, k, k) for i, (v, k) in enumerate(zip(vs, ks, strict=True))])
+
+    steps = _two_steps(propose, lambda i, v, n: rows.on_verified(i, v, n, n), views, ks)
+    for contexts, drafts in zip(seen, steps, strict=True):
+        for ids, k, draft in zip(contexts, ks, drafts, strict=True):
+            assert draft.tokens == _greedy_continuation(ids, k)
+
+
 def test_rows_join_and_leave_between_steps() -> None:
     """A released row's cache row is reused; a row drafting alone gives what it gives in a batch."""
     views = _views(0.0)
@@ -142,9 +171,9 @@ def test_rows_join_and_leave_between_steps() -> None:
     batched.begin(7, views[3])
     assert batched.rows[7].slot == 1
     got = batched.propose([ProposeRow(7, views[3], 4, 4)])
-    alone = DraftModelProposer(DRAFT, MAX_LEN)
-    alone.begin(views[3])
-    _same(alone.propose(views[3], 4), got[0])
+    alone = DraftModelRows(DRAFT, MAX_LEN)
+    alone.begin(0, views[3])
+    _same(alone.propose([ProposeRow(0, views[3], 4, 4)])[0], got[0])
 
 
 def test_pack_pads_to_scratch_slots() -> None:
@@ -183,10 +212,10 @@ def test_batched_eagle_equals_per_row(tree_width: int) -> None:
             verified(i, v, len(kept))
         return [first, propose(views)]
 
-    singles = [EagleProposer(head, MAX_LEN, tree_width, 3) for _ in ks]
-    ref = run(lambda vs: [p.propose(v, k, budget) for p, v, k in zip(singles, vs, ks, strict=True)],
-              lambda i, v: singles[i].begin(v), lambda i, h: singles[i].observe_hidden(h),
-              lambda i, v, n: singles[i].on_verified(v, n, n))
+    singles = [EagleRows(head, MAX_LEN, tree_width, 3) for _ in ks]  # a proposer per row
+    ref = run(lambda vs: [p.propose([ProposeRow(0, v, k, budget)])[0] for p, v, k in zip(singles, vs, ks, strict=True)],
+              lambda i, v: singles[i].begin(0, v), lambda i, h: singles[i].observe_hidden(0, h),
+              lambda i, v, n: singles[i].on_verified(0, v, n, n))
     rows = EagleRows(head, MAX_LEN, tree_width, 3)
     got = run(lambda vs: rows.propose([ProposeRow(i, v, k, budget) for i, (v, k) in enumerate(zip(vs, ks, strict=True))
                                        ]),

@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_helpers import record_proposers
 
 from specdecode import LLM, SamplingParams
 from specdecode.model.load import load_model
-from specdecode.proposers.base import Draft, SequenceView
-from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.base import Draft, ProposeRow, SequenceView
+from specdecode.proposers.draft_rows import DraftModelRows
 
 LOOKUP = (2, 5)
 
@@ -31,13 +30,12 @@ class BigramModel(torch.nn.Module):
         self.device = torch.device("cpu")
 
     def new_cache(self, batch: int, max_len: int):  # noqa: ANN201 - the real cache keeps the lengths
-        cache = self.tiny.new_cache(batch, max_len)
-        cache.written = torch.zeros(max_len, dtype=torch.long)  # [max_len]: token per position
-        return cache
+        self.written = torch.zeros(max_len, dtype=torch.long)  # [max_len]: token per position (one row drafts)
+        return self.tiny.new_cache(batch, max_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, **_) -> torch.Tensor:  # noqa: ANN001
-        cache.written[positions[0]] = tokens[0]
-        prev = cache.written[(positions[0] - 1).clamp(min=0)]  # [m]
+        self.written[positions[0]] = tokens[0]
+        prev = self.written[(positions[0] - 1).clamp(min=0)]  # [m]
         return (self.table[tokens[0]] + self.prev_table[prev])[None]  # [1, m, V]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -49,26 +47,34 @@ def draft_model(tiny_llama_dir: Path) -> BigramModel:
     return BigramModel(load_model(tiny_llama_dir, "fp32", "cpu").model)
 
 
+def _one_row(model, seq: SequenceView, lookup=None) -> DraftModelRows:  # noqa: ANN001
+    """The draft proposer with one request (row key 0) begun."""
+    rows = DraftModelRows(model, 512, prompt_lookup=lookup)
+    rows.begin(0, seq)
+    return rows
+
+
+def _propose(rows: DraftModelRows, seq: SequenceView, k: int) -> Draft:
+    return rows.propose([ProposeRow(0, seq, k, k)])[0]
+
+
 def _own_text(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
     """prompt + the draft's own greedy continuation."""
-    proposer = DraftModelProposer(model, 512)
     seq = SequenceView(list(prompt), len(prompt), SamplingParams(temperature=0.0), torch.Generator())
-    proposer.begin(seq)
-    return prompt + proposer.propose(seq, n).tokens
+    return prompt + _propose(_one_row(model, seq), seq, n).tokens
 
 
 def _draft(model, tokens: list[int], params: SamplingParams, k: int, lookup, seed: int):  # noqa: ANN001, ANN202
-    proposer = DraftModelProposer(model, 512, prompt_lookup=lookup)
     gen = torch.Generator().manual_seed(seed)
     seq = SequenceView(list(tokens), 8, params, gen)
-    proposer.begin(seq)
-    first = proposer.propose(seq, k)
+    rows = _one_row(model, seq, lookup)
+    first = _propose(rows, seq, k)
     # A second step after a partial acceptance: the cache keeps only what the draft agreed with.
     kept = min(2, len(first.tokens))
     seq.token_ids += first.tokens[:kept] + [7]
-    proposer.on_verified(seq, kept)
-    second = proposer.propose(seq, k)
-    return first, second, proposer.forwards, gen.get_state()
+    rows.on_verified(0, seq, kept, kept)
+    second = _propose(rows, seq, k)
+    return first, second, rows.forwards, gen.get_state()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -97,14 +103,13 @@ def test_lookup_drafts_the_plain_loops_tokens(draft_model, temperature: float, k
 
 def test_penalties_keep_the_plain_loop(draft_model) -> None:  # noqa: ANN001
     text = _own_text(draft_model, [5, 9, 14, 3, 22, 9, 14, 3], 40)
-    proposer = DraftModelProposer(draft_model, 512, prompt_lookup=LOOKUP)
     params = SamplingParams(temperature=0.0, repetition_penalty=1.3)
     counts = torch.zeros(64)
     seq = SequenceView(list(text), 8, params, torch.Generator(), output_counts=counts,
                        prompt_mask=torch.zeros(64, dtype=torch.bool))
-    proposer.begin(seq)
-    proposer.propose(seq, 6)
-    assert proposer.forwards == 6  # catch-up + 5 single-token forwards
+    rows = _one_row(draft_model, seq, LOOKUP)
+    _propose(rows, seq, 6)
+    assert rows.forwards == 6  # catch-up + 5 single-token forwards
 
 
 def test_engine_output_equals_plain_with_and_without_lookup(tiny_llama_dir: Path) -> None:
@@ -121,18 +126,19 @@ def test_engine_output_equals_plain_with_and_without_lookup(tiny_llama_dir: Path
 
 def test_skip_the_draft_when_the_guess_pays(draft_model) -> None:  # noqa: ANN001
     text = _own_text(draft_model, [5, 9, 14, 3, 22, 9, 14, 3], 60)
-    proposer = DraftModelProposer(draft_model, 512, prompt_lookup=LOOKUP)
-    proposer._cost = 0.02  # a draft forward costs a fifth of a target forward
-    proposer.target_seconds = lambda t: 0.1
     seq = SequenceView(text[:40], 8, SamplingParams(temperature=0.0), torch.Generator())
-    proposer.begin(seq)
-    draft = proposer.propose(seq, 4)
-    assert proposer.forwards == 0 and draft.tokens == text[40:44] and draft.probs is None  # a bare guess
+    rows = _one_row(draft_model, seq, LOOKUP)
+    rows._costs = (0.02, 0.0)  # a draft forward costs a fifth of a target forward
+    rows.target_seconds = lambda t: 0.1
+    draft = _propose(rows, seq, 4)
+    assert rows.forwards == 0 and draft.tokens == text[40:44] and draft.probs is None  # a bare guess
     # The target rejects guesses: their rate falls until drafting pays again.
+    row = rows.rows[0]
     for _ in range(12):
-        draft = proposer.propose(seq, 4)
-        proposer.on_verified(seq, 0 if proposer._guessed else len(draft))
-    assert proposer.forwards > 0 and proposer.guess_rate.value < 0.5 < proposer.draft_rate.value
+        draft = _propose(rows, seq, 4)
+        accepted = 0 if row.guessed else len(draft)
+        rows.on_verified(0, seq, accepted, accepted)
+    assert rows.forwards > 0 and row.guess_rate.value < 0.5 < row.draft_rate.value
 
 
 def test_engine_auto_k_with_guesses_equals_plain(tiny_llama_dir: Path) -> None:
@@ -141,7 +147,6 @@ def test_engine_auto_k_with_guesses_equals_plain(tiny_llama_dir: Path) -> None:
     plain = LLM(str(tiny_llama_dir), dtype="fp32").generate([prompt], params)[0].token_ids
     spec = {"method": "draft", "model": str(tiny_llama_dir)}
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
-    made = record_proposers(llm)
     assert llm.generate([prompt], params)[0].token_ids == plain
-    proposer = made[-1]  # configured with the engine's measured cost
-    assert isinstance(proposer, DraftModelProposer) and proposer.target_seconds is not None
+    proposer = llm.engine.proposer  # configured with the engine's measured cost
+    assert isinstance(proposer, DraftModelRows) and proposer.target_seconds is not None

@@ -14,7 +14,7 @@ from tiny_helpers import GREEDY, copy_with_vocab_rows, tiny_prompts
 
 from specdecode import LLM
 from specdecode.engine.validation import IncompatibleDraftError
-from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.draft_rows import DraftModelRows, draft_logits
 
 
 def padded_copy(src: Path, dst: Path, extra: int) -> Path:
@@ -31,7 +31,7 @@ def test_padded_draft_is_accepted_and_lossless(plain_tiny, tiny_llama_dir: Path,
     padded = padded_copy(tiny_llama_dir, tmp_path / "padded", 64)
     for spec in (draft(padded), draft(padded, draft_tree_width=3)):
         llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=spec)
-        assert isinstance(llm.proposer_factory(), DraftModelProposer)
+        assert isinstance(llm.engine.proposer, DraftModelRows)
         outs = llm.generate(tiny_prompts(llm), GREEDY)
         assert [o.token_ids for o in outs] == want
         # The draft is the target's own weights: with padding rows never proposed, nearly every token is taken.
@@ -53,9 +53,9 @@ def test_padded_target_with_unpadded_draft_is_lossless(tiny_llama_dir: Path, tmp
 def test_padded_draft_never_proposes_padding_rows(tiny_llama_dir: Path, tmp_path: Path) -> None:
     padded = padded_copy(tiny_llama_dir, tmp_path / "padded", 64)
     llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=draft(padded))
-    proposer = llm.proposer_factory()
-    assert proposer.vocab == (320, 320)
-    logits = proposer._logits(torch.zeros(2, 64))
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, DraftModelRows) and proposer.vocab == (320, 320)
+    logits = draft_logits(proposer.model, proposer.vocab, torch.zeros(2, 64))
     assert logits.shape == (2, 320)  # laid out over the target's rows; the padding rows are gone
     raw = proposer.model.compute_logits(torch.ones(1, 64))
     assert raw.shape[-1] == 384 and int(raw.argmax()) >= 320  # unmasked, a padding row would win

@@ -20,8 +20,7 @@ from specdecode.engine import validation
 from specdecode.engine.adaptive import CostModel
 from specdecode.engine.validation import IncompatibleDraftError, InsufficientMemoryError
 from specdecode.model.load import read_config
-from specdecode.proposers.base import Draft, ProposerDefaults, SequenceView
-from specdecode.proposers.rows import RowProposers
+from specdecode.proposers.base import Draft, ProposeRow
 
 SMOL = "smollm2-135m-instruct"
 PROMPT = "def add(a, b):\n    return a + b\n"
@@ -310,32 +309,20 @@ def test_chat(which: str, plain: LLM, request: pytest.FixtureRequest) -> None:
 # ---- adaptive k ---------------------------------------------------------------------------------
 
 
-class CountingProposer(ProposerDefaults):
-    """Wraps a proposer and records, per verify step, how many tokens it drafted."""
+class CountingRows:
+    """Wraps a batch proposer and records, per proposal, how many tokens it drafted."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.name = inner.name
-        self.capabilities = inner.capabilities
         self.drafted: list[tuple[int, int]] = []  # (output tokens before the step, tokens drafted)
 
-    def begin(self, seq: SequenceView) -> None:
-        self.drafted = []
-        self.inner.begin(seq)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
-    def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
-        d = self.inner.propose(seq, k, node_budget)
-        self.drafted.append((len(seq.token_ids) - seq.prompt_len, len(d)))
-        return d
-
-    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
-        self.inner.on_verified(seq, num_accepted, own_accepted)
-
-    def catch_up_tokens(self, seq: SequenceView) -> int:
-        return self.inner.catch_up_tokens(seq)
-
-    def step_cost_hint(self) -> float:
-        return self.inner.step_cost_hint()
+    def propose(self, rows: list[ProposeRow]) -> list[Draft]:
+        drafts = self.inner.propose(rows)
+        self.drafted += [(len(r.seq.token_ids) - r.seq.prompt_len, len(d)) for r, d in zip(rows, drafts, strict=True)]
+        return drafts
 
 
 @pytest.fixture(scope="module")
@@ -353,9 +340,8 @@ def test_adaptive_k_stops_drafting_with_a_useless_drafter(
     engine = spec_auto_random.engine
     assert engine.fixed_k is None and engine.cost is not None  # "auto" measured the cost at start-up
     measured, original = engine.cost, engine.proposer
-    assert spec_auto_random.proposer_factory is not None
-    counting = CountingProposer(spec_auto_random.proposer_factory())
-    engine.set_proposer(RowProposers(lambda: counting), KNOWN_COST)  # deterministic, whatever the machine's load
+    counting = CountingRows(spec_auto_random.new_proposer())
+    engine.set_proposer(counting, KNOWN_COST)  # type: ignore[arg-type]  # deterministic, whatever the machine's load
     n = 200
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_helpers import GREEDY, record_proposers, run_batched, tiny_prompts
+from tiny_helpers import GREEDY, record_rows, run_batched, tiny_prompts
 
 from specdecode import LLM
 from specdecode.heads.config import eagle3_layers, parse_feature_layers
@@ -65,15 +65,15 @@ def test_the_engine_hands_the_head_its_fused_layers(tiny_llama_dir: Path, fused_
     entering layers 0, 1 and after the last, at that position (not the final-norm hidden state)."""
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "eagle", "model": str(fused_head)})
     prompt = tiny_prompts(llm)[0]
-    made = record_proposers(llm)
+    made = record_rows(llm)
     llm.generate([prompt], GREEDY)
-    proposer = made[-1]
+    proposer = llm.engine.proposer
     target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
     ids = torch.tensor([prompt])
     pos = torch.arange(len(prompt))[None]
     streams = [target.model.embed_tokens(ids), *_layer_outputs(target, ids, pos)]
     expected = proposer.head.fuse(torch.cat(streams, dim=-1)[0])
-    torch.testing.assert_close(proposer.features[: len(prompt)], expected)
+    torch.testing.assert_close(proposer.features[made[-1].slot][: len(prompt)], expected)
 
 
 def _layer_outputs(target, ids: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:  # noqa: ANN001

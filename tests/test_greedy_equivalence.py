@@ -32,7 +32,7 @@ from specdecode.model.config import ModelConfig
 from specdecode.model.load import load_model
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, ProposerDefaults, SequenceView
-from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.proposers.ngram import NgramProposer
 from specdecode.proposers.rows import RowProposers
 
@@ -102,8 +102,8 @@ class OracleProposer(ProposerDefaults):
 
 
 def use(llm: LLM, proposer: Any, k: int | str) -> None:
-    """Swap the drafter (a proposer, or a factory of per-request proposers) and the draft length of an LLM
-    built with a speculative config."""
+    """Swap the drafter (a factory of batch proposers, or one per-sequence proposer every request shares) and the
+    draft length of an LLM built with a speculative config."""
     engine = llm.engine
     if k == "auto":
         assert engine.cost is not None, "build the LLM with num_speculative_tokens='auto' so the cost is measured"
@@ -114,8 +114,7 @@ def use(llm: LLM, proposer: Any, k: int | str) -> None:
         engine.fixed_k, engine.k_max = None, 8
     else:
         engine.fixed_k, engine.k_max = int(k), int(k)
-    factory = proposer if callable(proposer) else (lambda: proposer)
-    engine.set_proposer(RowProposers(factory))
+    engine.set_proposer(proposer() if callable(proposer) else RowProposers(lambda: proposer))
     engine.lookup = None  # every step is this drafter's: no lookup guess proposed alone in its place
 
 
@@ -131,8 +130,8 @@ def assert_metrics_consistent(m: dict[str, Any], max_tokens: int) -> None:
 class Env:
     plain: LLM
     spec: LLM
-    same: Callable[[], DraftModelProposer]
-    random: Callable[[], DraftModelProposer]
+    same: Callable[[], DraftModelRows]
+    random: Callable[[], DraftModelRows]
     refs: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -159,9 +158,9 @@ def tiny(request: pytest.FixtureRequest) -> Iterator[Env]:
     plain = LLM(str(path), dtype="fp32", device="cpu")
     spec = LLM(str(path), dtype="fp32", device="cpu", speculative_config={
         "method": "draft", "model": str(path), "num_speculative_tokens": "auto", "draft_dtype": "fp32"})
-    assert spec.proposer_factory is not None and isinstance(spec.proposer_factory(), DraftModelProposer)
+    assert isinstance(spec.new_proposer(), DraftModelRows)
     other_model = load_model(other, "fp32", "cpu").model
-    env = Env(plain, spec, spec.proposer_factory, lambda: DraftModelProposer(other_model, spec.max_model_len))
+    env = Env(plain, spec, spec.new_proposer, lambda: DraftModelRows(other_model, spec.max_model_len))
     for p in TINY_PROMPTS:
         env.reference(p)
     yield env
@@ -295,8 +294,8 @@ def smol() -> Iterator[Env]:
     spec = LLM(SMOL, dtype="fp32", device="cpu", max_model_len=256,
                speculative_config={"method": "ngram", "num_speculative_tokens": "auto"})
     rand_model = random_same_vocab_model(spec.target.config)
-    env = Env(plain, spec, lambda: DraftModelProposer(spec.target.model, spec.max_model_len),
-              lambda: DraftModelProposer(rand_model, spec.max_model_len))
+    env = Env(plain, spec, lambda: DraftModelRows(spec.target.model, spec.max_model_len),
+              lambda: DraftModelRows(rand_model, spec.max_model_len))
     outs = plain.generate(SMOL_PROMPTS, greedy(SMOL_TOKENS))
     for p, o in zip(SMOL_PROMPTS, outs, strict=True):
         env.refs[tuple(env.prompt_ids(p))] = o.token_ids

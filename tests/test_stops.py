@@ -196,11 +196,9 @@ def test_real_eos_inside_block() -> None:
     assert a.finish_reason == "stop" and a.token_ids[-1] == eos, "the reference must end with EOS"
     spec = LLM("smollm2-135m-instruct", dtype="fp32", device="cpu", max_model_len=256,
                speculative_config={"method": "ngram", "num_speculative_tokens": K})
-    from specdecode.proposers.draft_model import DraftModelProposer
-    from specdecode.proposers.rows import RowProposers
+    from specdecode.proposers.draft_rows import DraftModelRows
 
-    # same weights
-    spec.engine.set_proposer(RowProposers(lambda: DraftModelProposer(spec.target.model, spec.max_model_len)))
+    spec.engine.set_proposer(DraftModelRows(spec.target.model, spec.max_model_len))  # same weights
     b = spec.chat(msgs, p)[0]
     assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
     assert b.token_ids.count(eos) == 1

@@ -26,8 +26,7 @@ from test_engine_lossless import DRAFT, NUM_EMITTED, PROMPT, TARGET, VOCAB, _NoT
 from specdecode.engine import constrain
 from specdecode.engine.core import Engine
 from specdecode.engine.sequence import Sequence
-from specdecode.proposers.draft_model import DraftModelProposer
-from specdecode.proposers.rows import RowProposers
+from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.sampling import SamplingParams
 
 NUM_REQUESTS = 1000
@@ -76,7 +75,7 @@ def _sample(tree_width: int, k: int, monkeypatch: pytest.MonkeyPatch | None = No
     if monkeypatch is not None:
         view = Sequence.view
         monkeypatch.setattr(Sequence, "view", lambda self: dataclasses.replace(view(self), matcher=None))
-    proposer = RowProposers(lambda: DraftModelProposer(DRAFT, 32, tree_width=tree_width, tree_branching=2))
+    proposer = DraftModelRows(DRAFT, 32, tree_width=tree_width, tree_branching=2)
     engine = Engine(TARGET, 32, proposer, k_max=k, fixed_k=k, max_num_seqs=16, max_waiting=None)
     seqs = [Sequence(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), _NoText(), VOCAB, torch.device("cpu"), 0,
                      matcher=MarkovGrammar(PROMPT[-1])) for i in range(NUM_REQUESTS)]

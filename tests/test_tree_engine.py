@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from stat_helpers import block_output_counts
-from tiny_helpers import GREEDY, record_proposers, run_batched, tiny_prompts
+from tiny_helpers import GREEDY, record_rows, run_batched, tiny_prompts
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.adaptive import CostModel
@@ -97,13 +97,13 @@ def test_tree_with_lookup_branch_equals_plain(plain_tiny, tiny_llama_dir: Path, 
     for k in (4, "auto"):
         spec = {**_spec(str(tiny_llama_other_dir), 2, 2, 4), "num_speculative_tokens": k}
         llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
-        made = record_proposers(llm)
+        made = record_rows(llm)
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == ref
         if k == 4:  # (auto: the cost model of this tiny pair may pick short trees)
             assert all(o.metrics["mean_accepted_length"] > 3.0 for o in outs)  # the random tree alone gets ~1
     # The drafter's calibration counts only what its own nodes got accepted, not the guess's run.
-    values = [p.tree_value for p in made[1:]]  # the requests' own (made[0] answers for the batch)
+    values = [row.tree_value for row in made]
     assert values and all(v is not None and v.accepted < 0.25 * v.predicted + 1.0 for v in values)
 
 

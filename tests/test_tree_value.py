@@ -94,7 +94,7 @@ def test_grow_tree_select_cuts_the_grown_tree():
 
 def test_the_engine_feeds_a_tree_proposers_calibration(plain_tiny, tiny_llama_dir) -> None:
     """The engine configures a dynamic-tree proposer (its TreeValue) with its cost and reports every step."""
-    from tiny_helpers import GREEDY, record_proposers, tiny_prompts
+    from tiny_helpers import GREEDY, record_rows, tiny_prompts
 
     from specdecode import LLM
 
@@ -102,7 +102,7 @@ def test_the_engine_feeds_a_tree_proposers_calibration(plain_tiny, tiny_llama_di
     # adaptive k (no num_speculative_tokens): the engine measures its costs, and so sets the TreeValue
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": "draft", "model": str(tiny_llama_dir), "draft_tree_width": 0})
-    made = record_proposers(llm)
+    made = record_rows(llm)
     assert llm.engine.cost is not None
     # A known cost (a drafted token a tenth of a forward) in place of the measured one: with the target as its
     # own draft the measured costs sit at break-even, where timing noise alone would decide whether it drafts.

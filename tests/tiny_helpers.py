@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -53,18 +54,18 @@ def copy_with_vocab_rows(src: Path, dst: Path, extra: int, head_fill: float = 0.
     return dst
 
 
-def record_proposers(llm: LLM) -> list:
-    """Make `llm.generate` draft with proposers from the LLM's own factory, and return the list every new one
-    is appended to (to inspect a request's drafting state after it finished)."""
-    from specdecode.proposers.rows import RowProposers
-
+def record_rows(llm: LLM) -> list:
+    """The list every request `llm.generate` drafts for from now on appends its drafting state to, when the
+    engine's batch proposer releases its row (to inspect after the request finished)."""
+    proposer: Any = llm.engine.proposer
+    assert proposer is not None
     made: list = []
-    factory = llm.proposer_factory
-    assert factory is not None
+    release = proposer.release
 
-    def make():  # noqa: ANN202
-        made.append(factory())
-        return made[-1]
+    def keep(key: int) -> None:
+        if key in proposer.rows:
+            made.append(proposer.rows[key])
+        release(key)
 
-    llm.engine.set_proposer(RowProposers(make))
+    proposer.release = keep
     return made

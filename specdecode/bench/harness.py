@@ -215,12 +215,17 @@ def _engine_memory(llm: Any) -> dict[str, int]:
         extra += module_bytes(llm.draft.model)
     if llm.head is not None:
         extra += module_bytes(llm.head)
-    if llm.proposer_factory is not None:  # one request's drafting state (draft KV cache, head features)
-        proposer = llm.proposer_factory()
-        for name in ("cache", "features"):
-            buf = getattr(proposer, name, None)
-            if buf is not None:
-                extra += buf.nbytes() if hasattr(buf, "nbytes") and callable(buf.nbytes) else buf.nbytes
+    proposer = llm.new_proposer(1)
+    if proposer is not None:  # one request's drafting state: its row of the draft's or head's cache, head features
+        from specdecode.proposers.base import SequenceView
+        from specdecode.sampling import SamplingParams
+
+        proposer.reserve(1)
+        proposer.begin(0, SequenceView([0, 0], 1, SamplingParams(), torch.Generator()))
+        rows = getattr(proposer, "cache", None)  # a RowCache (batch proposers with a KV cache of their own)
+        if rows is not None and rows.cache is not None:
+            extra += rows.cache.nbytes()
+        extra += sum(t.nbytes for t in getattr(proposer, "features", {}).values())
     return {"target_weight_bytes": module_bytes(llm.target.model), "speculation_bytes": extra}
 
 

@@ -38,11 +38,10 @@ from specdecode.model.load import (
     resolve_draft_quantization,
     resolve_quantization,
 )
-from specdecode.proposers.base import BatchProposer, Proposer
-from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.base import BatchProposer
 from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.proposers.eagle_rows import EagleRows
-from specdecode.proposers.heads import EagleProposer, MedusaProposer
+from specdecode.proposers.heads import MedusaProposer
 from specdecode.proposers.ngram import NgramProposer
 from specdecode.proposers.rows import MedusaRows, RowProposers
 from specdecode.sampling import SamplingParams
@@ -153,10 +152,9 @@ class LLM:
         if batch_invariant:
             self.target.model.make_batch_invariant()
         self.draft: LoadedModel | None = None
-        self.proposer_factory: Callable[[], Proposer] | None = None
-        """One sequence's proposer (the benchmark's single-request tools; tests of per-row drafting)."""
         self.batch_factory: Callable[[int], BatchProposer] | None = None
-        """max rows -> the engine's batch proposer: every row drafted together (one forward per level)."""
+        """max rows -> the engine's batch proposer: every row drafted together (one forward per level); None
+        without speculation."""
         lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.draft_prompt_lookup else None
         if spec is not None and spec.method == "draft":
             assert draft_path is not None
@@ -172,23 +170,19 @@ class LLM:
             convert_linears(self.draft.model, draft_linear_format(draft_format, draft_dtype, self.device))
             draft_model = self.draft.model
             width, branching = spec.tree_width, spec.tree_branching
-            self.proposer_factory = lambda: DraftModelProposer(draft_model, self.max_model_len, width, branching,
-                                                               lookup, vocab=rows)
             self.batch_factory = lambda n: DraftModelRows(draft_model, self.max_model_len, width, branching, lookup,
                                                           vocab=rows, max_rows=n)
         elif isinstance(self.head, EagleHead):
             head, width, branching = self.head, spec.tree_width, spec.tree_branching
             columns = spec.head_prompt_tokens
-            self.proposer_factory = lambda: EagleProposer(head, self.max_model_len, width, branching, columns)
             self.batch_factory = lambda n: EagleRows(head, self.max_model_len, width, branching, columns, max_rows=n)
         elif isinstance(self.head, MedusaHeads):
             medusa, width, branching = self.head, spec.tree_width, spec.tree_branching
             columns = spec.head_prompt_tokens
-            self.proposer_factory = lambda: MedusaProposer(medusa, width, branching, columns)
-            self.batch_factory = lambda n: MedusaRows(self.proposer_factory)  # type: ignore[arg-type]
+            self.batch_factory = lambda n: MedusaRows(lambda: MedusaProposer(medusa, width, branching, columns))
         elif spec is not None:
             lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
-            self.proposer_factory = lambda: NgramProposer(lo, hi)
+            self.batch_factory = lambda n: RowProposers(lambda: NgramProposer(lo, hi))
         self.lookup = lookup
         self.prefix_cache = (PrefixCache(int(prefix_cache_gb * 2**30))
                              if enable_prefix_caching and prefix_cache_gb > 0 else None)
@@ -210,9 +204,7 @@ class LLM:
 
     def new_proposer(self, max_rows: int | None = None) -> BatchProposer | None:
         """A batch proposer for up to max_rows rows (None without speculation)."""
-        if self.batch_factory is not None:
-            return self.batch_factory(max_rows or self.max_num_seqs)
-        return RowProposers(self.proposer_factory) if self.proposer_factory is not None else None
+        return self.batch_factory(max_rows or self.max_num_seqs) if self.batch_factory is not None else None
 
     def measure_cost(self, proposer: BatchProposer | None, max_rows: int, flat: bool = False) -> CostModel:
         """Time the target's forwards (one row up to a whole tree, and batches up to max_rows rows) and the

@@ -47,7 +47,7 @@ def check_draft_rows(target_name: str, target_rows: int, draft_name: str, draft_
                      tokenizer: Tokenizer) -> tuple[int, int] | None:
     """Output rows of a draft whose tokenizer agrees with the target's (`check_vocab_compatible`). Equal: None.
     Padded differently (the Qwen2.5 sizes pad to 151,936 or 152,064): (real vocabulary, target rows) for
-    `DraftModelProposer(vocab=...)`, which never proposes a padding row. Refused when either model has fewer
+    `DraftModelRows(vocab=...)`, which never proposes a padding row. Refused when either model has fewer
     rows than the tokenizer has ids."""
     if draft_rows == target_rows:
         return None

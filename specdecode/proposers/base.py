@@ -1,9 +1,10 @@
 """What every proposer offers the engine: declared capabilities, `configure`, `begin`, `propose`, `on_verified`.
 
-A `Proposer` drafts for one sequence. The engine talks to a `BatchProposer`: one object for every row of the
-batch, whose `propose` is one call for all rows (`RowProposers` in proposers/rows.py builds one from a
-factory of per-sequence proposers). The engine never probes a proposer's attributes: what it may do is
-declared in `Capabilities`, and its costs come from `step_cost_hint` / `catch_up_token_seconds`.
+The engine talks to a `BatchProposer`: one object for every row of the batch, whose `propose` is one call for
+all rows (the draft model's `DraftModelRows`, EAGLE's `EagleRows`). A `Proposer` drafts for one sequence;
+`RowProposers` in proposers/rows.py builds a batch proposer from a factory of them (n-gram, Medusa). The engine
+never probes a proposer's attributes: what it may do is declared in `Capabilities`, and its costs come from
+`step_cost_hint` / `catch_up_token_seconds`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """One row's chain drafted by a draft model, as a state machine the caller feeds forwards to.
 
-The caller runs the draft model; `ChainDraft` picks the tokens and says what to feed next, so the same
-logic drafts one sequence (`DraftModelProposer`) or every row of a batch in one forward per depth
-(`DraftModelRows`).
+The caller (`DraftModelRows`) runs the draft model over every drafting row in one forward per depth;
+`ChainDraft` picks each row's tokens and says what to feed it next.
 
 With a prompt-lookup range, each forward also carries a guess of what the draft will pick next: the
 continuation of the latest earlier occurrence of the suffix. One forward over [token, guess...] gives the

@@ -11,6 +11,8 @@ rates, lookup-or-draft choice and tree calibration, so its drafts do not depend 
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +20,6 @@ import torch
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
 from specdecode.proposers.draft_chain import ChainDraft
-from specdecode.proposers.draft_model import DraftModelProposer, draft_input_ids, draft_logits
 from specdecode.proposers.lookup_choice import AcceptanceRate, guess_beats_draft
 from specdecode.proposers.ngram_match import ngram_match
 from specdecode.proposers.ragged import Packed, RowInput, forward_rows
@@ -26,6 +27,51 @@ from specdecode.proposers.row_cache import RowCache
 from specdecode.proposers.tree_growth import TreeGrower, level_width
 from specdecode.proposers.tree_value import RowTreeValues, TreeValue, node_selector
 from specdecode.tree import MAX_TREE_NODES
+
+
+def draft_input_ids(model: Transformer, vocab: tuple[int, int] | None, tokens: torch.Tensor) -> torch.Tensor:
+    """A token beyond the draft's rows (a padding id the target emitted, vanishingly rare) is read as id 0:
+    the draft's guesses after it get worse, never the output."""
+    if vocab is None:
+        return tokens
+    return tokens.masked_fill(tokens >= model.config.vocab_size, 0)
+
+
+def draft_logits(model: Transformer, vocab: tuple[int, int] | None, hidden: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> fp32 logits over the target's ids [..., V] (-inf on the target's rows the draft lacks)."""
+    logits = model.compute_logits(hidden)
+    if vocab is None:
+        return logits
+    real, rows = vocab
+    out = logits.new_full((*logits.shape[:-1], rows), float("-inf"))
+    out[..., :real] = logits[..., :real]
+    return out
+
+
+@torch.inference_mode()
+def draft_step_costs(model: Transformer, vocab: tuple[int, int] | None, max_len: int) -> tuple[float, float]:
+    """(seconds of a one-token draft forward, seconds per token of a catch-up forward), timed on a one-row cache
+    of their own: the median of 5 single-token forwards after a warm-up feed of up to 64 tokens (a realistic
+    cache, first-call overheads paid), and a second such feed for the catch-up."""
+    cache = model.new_cache(1, max_len)
+    warm = max(0, min(64, max_len - 6))  # a short context leaves less room for the warm-up and the samples
+    dev = model.device
+
+    def feed(n: int) -> float:
+        start = cache.lengths[0]
+        t0 = time.perf_counter()
+        tokens = draft_input_ids(model, vocab, torch.ones(1, n, dtype=torch.long, device=dev))
+        hidden = model(tokens, torch.arange(start, start + n, device=dev).unsqueeze(0), cache)  # [1, n, D]
+        cache.set_length(0, start + n)
+        draft_logits(model, vocab, hidden[0, -1:])
+        return time.perf_counter() - t0
+
+    if warm:
+        feed(warm)
+        cache.reset()
+    catch_up = feed(warm) / max(1, warm) if warm else 0.0
+    samples = [feed(1) for _ in range(max(1, min(6, max_len - warm)))]
+    return statistics.median(samples[1:] or samples), catch_up
 
 
 @dataclass
@@ -56,8 +102,9 @@ class DraftModelRows(RowTreeValues):
         self.model, self.vocab, self.prompt_lookup = model, vocab, prompt_lookup
         self.tree_width, self.tree_branching = tree_width, tree_branching
         self.capabilities = Capabilities(tree_width=tree_width, catch_up=True)
-        self.probe = DraftModelProposer(model, max_len, tree_width, tree_branching, prompt_lookup, vocab)
-        """Measures the draft's step and catch-up costs (once, on a cache of its own freed after)."""
+        self.max_len = max_len
+        self._costs: tuple[float, float] | None = None
+        """(step, catch-up per token) seconds, measured once (`draft_step_costs`)."""
         # One slot past the largest tree: a padding query writes past a full tree's nodes.
         self.cache = RowCache(lambda rows: model.new_cache(rows, max_len + MAX_TREE_NODES + 1), max_rows)
         self.rows: dict[int, _Row] = {}
@@ -97,13 +144,14 @@ class DraftModelRows(RowTreeValues):
         return 0 if lag <= 1 else lag
 
     def step_cost_hint(self) -> float:
-        seconds = self.probe.step_cost_hint()
-        self.probe._cache = None  # measured once: its cache is not needed again
-        return seconds
+        if self._costs is None:
+            self._costs = draft_step_costs(self.model, self.vocab, self.max_len + MAX_TREE_NODES)
+        return self._costs[0]
 
     def catch_up_token_seconds(self) -> float:
         self.step_cost_hint()
-        return self.probe._catch_up_cost
+        assert self._costs is not None
+        return self._costs[1]
 
     @torch.inference_mode()
     def propose(self, asks: list[ProposeRow]) -> list[Draft]:

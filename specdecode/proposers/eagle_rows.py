@@ -1,13 +1,12 @@
 """The EAGLE head as a batch proposer: every drafting row's tree in one head forward per tree level.
 
 The head's KV cache has one row per running request (`RowCache`), holding pair j (the target's feature at
-position j + the token at j + 1) at slot j, as `EagleProposer` does for one sequence. A step feeds every
-drafting row's pairs not yet in its cache in one padded forward (`ragged.pack`; after a step, the accepted
-path with the target's true features), whose last output per row is the head's predicted feature at the
-pending token; then every row's tree grows one level per forward, each node's feature the head's own
-prediction at its parent. The output rows of the draft vocabulary are one product for every row's nodes;
-each row adds the columns of its own prompt's tokens, keeps its own tree calibration, and so drafts what it
-drafts alone (up to the float rounding of a wider forward).
+position j + the token at j + 1) at slot j. A step feeds every drafting row's pairs not yet in its cache in
+one padded forward (`ragged.pack`; after a step, the accepted path with the target's true features), whose
+last output per row is the head's predicted feature at the pending token; then every row's tree grows one
+level per forward, each node's feature the head's own prediction at its parent. The output rows of the draft
+vocabulary are one product for every row's nodes; each row adds the columns of its own prompt's tokens, keeps
+its own tree calibration, and so drafts what it drafts alone (up to the float rounding of a wider forward).
 """
 
 from __future__ import annotations
@@ -22,13 +21,28 @@ from specdecode.heads.modules import EagleHead
 from specdecode.model.kv_cache import KVCache
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
 from specdecode.proposers.head_columns import HeadColumns
-from specdecode.proposers.heads import eagle_level_seconds
 from specdecode.proposers.ragged import Packed, RowInput, forward_rows
 from specdecode.proposers.row_cache import RowCache
 from specdecode.proposers.tree_growth import TreeGrower, TreeLevel, level_width
 from specdecode.proposers.tree_value import RowTreeValues, TreeValue, node_selector
 from specdecode.sampling import SamplingParams
 from specdecode.tree import MAX_TREE_NODES
+
+
+@torch.inference_mode()
+def eagle_level_seconds(head: EagleHead, branching: int) -> float:
+    """Seconds of one EAGLE head level: a single-node forward plus its output rows (median of 5 after a
+    warm-up, on a small cache of its own)."""
+    cache = head.new_cache(8)
+    feats = torch.zeros(1, 1, head.config.hidden_size, dtype=head.dtype, device=head.device)
+    toks = torch.zeros(1, 1, dtype=torch.long, device=head.device)
+    samples = []
+    for i in range(6):
+        t0 = time.perf_counter()
+        out = head(feats, toks, torch.tensor([[i]], device=head.device), cache)
+        head.draft_logits(out[0, -1]).topk(branching)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[1:])
 
 
 @dataclass
