@@ -124,23 +124,6 @@ def test_engine_output_equals_plain_with_and_without_lookup(tiny_llama_dir: Path
         assert out == plain
 
 
-def test_skip_the_draft_when_the_guess_pays(draft_model) -> None:  # noqa: ANN001
-    text = _own_text(draft_model, [5, 9, 14, 3, 22, 9, 14, 3], 60)
-    seq = SequenceView(text[:40], 8, SamplingParams(temperature=0.0), torch.Generator())
-    rows = _one_row(draft_model, seq, LOOKUP)
-    rows._costs = (0.02, 0.0)  # a draft forward costs a fifth of a target forward
-    rows.target_seconds = lambda t: 0.1
-    draft = _propose(rows, seq, 4)
-    assert rows.forwards == 0 and draft.tokens == text[40:44] and draft.probs is None  # a bare guess
-    # The target rejects guesses: their rate falls until drafting pays again.
-    row = rows.rows[0]
-    for _ in range(12):
-        draft = _propose(rows, seq, 4)
-        accepted = 0 if row.guessed else len(draft)
-        rows.on_verified(0, seq, accepted, accepted)
-    assert rows.forwards > 0 and row.guess_rate.value < 0.5 < row.draft_rate.value
-
-
 def test_engine_auto_k_with_guesses_equals_plain(tiny_llama_dir: Path) -> None:
     prompt = [5, 9, 14, 3, 22, 9, 14, 3, 5, 9, 14, 3] * 3
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Pure rules for choosing a prompt-lookup guess over the draft model."""
+"""Pure rules for choosing a prompt-lookup guess over the drafter."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from specdecode.proposers.lookup_choice import (
     best_guess_len,
     expected_tokens,
     guess_beats,
-    guess_beats_draft,
 )
 
 
@@ -35,16 +34,21 @@ def flat(t: int) -> float:
     return 0.1
 
 
-def test_guess_beats_draft() -> None:
-    assert not guess_beats_draft(0, 4, 1.0, 0.0, flat, 0.0)  # no guess
+def _beats_chain(guess_len: int, guess_alpha: float, draft_alpha: float, step_seconds: float, k: int = 4) -> bool:
+    """The guess against a draft chain of k tokens, each drafted in `step_seconds` and kept at `draft_alpha`."""
+    return guess_beats(guess_len, guess_alpha, expected_tokens(draft_alpha, k), flat(k + 1) + k * step_seconds, flat)
+
+
+def test_guess_beats_a_chain_by_tokens_per_second_of_step() -> None:
+    assert not _beats_chain(0, 1.0, 0.0, 0.0)  # no guess
     # Equal acceptance: the guess is free, the draft is not.
-    assert guess_beats_draft(4, 4, 0.8, 0.8, flat, 0.01)
+    assert _beats_chain(4, 0.8, 0.8, 0.01)
     # A short guess of a mediocre source against a cheap, reliable draft: (1 + .5) / .1 < 4.69 / .14.
-    assert not guess_beats_draft(1, 4, 0.5, 0.95, flat, 0.01)
+    assert not _beats_chain(1, 0.5, 0.95, 0.01)
     # The same draft, but each token costs a fifth of a target forward: 4.69 / .18 = 26 > 1.5 / .1 = 15;
     # a good guess wins: (1 + .9 + .81 + .73 + .66) / .1 = 41.
-    assert not guess_beats_draft(1, 4, 0.5, 0.95, flat, 0.02)
-    assert guess_beats_draft(4, 4, 0.9, 0.95, flat, 0.02)
+    assert not _beats_chain(1, 0.5, 0.95, 0.02)
+    assert _beats_chain(4, 0.9, 0.95, 0.02)
 
 
 def test_guess_beats_a_tree_by_tokens_per_second_of_step() -> None:

@@ -198,3 +198,39 @@ def test_a_guess_proposed_alone_runs_on_past_the_tree_depth(tiny_llama_dir: Path
     # 3 tokens left after the first: a step verifies at most 2 drafts, and emits its own token after them.
     assert short.seq.token_ids == tokens
     assert engine._solo_guess(short, 2, 16, 0.0) == ngram_match(tokens, 1, 5, 2)
+
+
+def test_rejected_guesses_lower_the_rows_guess_rate_until_it_stops_guessing(
+        plain_tiny, tiny_llama_dir: Path, tiny_llama_other_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guesses the target always rejects (each a wrong token, from an oracle in place of prompt lookup): a row
+    proposes its guess alone while its guess rate promises more than its drafter's step, the rate falls with
+    every rejection, and the row stops guessing (the odd guess still beats a probe of the drafter); the output
+    stays exact."""
+    base, ref = plain_tiny
+    prompts = tiny_prompts(base)
+    vocab = base.target.config.vocab_size
+
+    def wrong(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+        i = next(i for i, p in enumerate(prompts) if token_ids[: len(p)] == p)
+        return [(t + 1) % vocab for t in ref[i][len(token_ids) - len(prompts[i]):][:k]]
+
+    monkeypatch.setattr("specdecode.engine.core.ngram_match", wrong)
+    llm = LLM(str(tiny_llama_dir), dtype="fp32",
+              speculative_config={"method": "draft", "model": str(tiny_llama_other_dir)})
+    engine = llm.batch_engine(max_num_seqs=1)
+    # A wider forward costs more here, so a guess pays only while it is likely to be kept.
+    engine.cost = CostModel.from_points({1: 0.010, 9: 0.030}, 9, draft_step_seconds=0.01)
+    guessed = []
+    solo_guess = engine._solo_guess
+
+    def guessing(r, k: int, node_budget: int, catch_up: float) -> list[int]:  # noqa: ANN001
+        solo = solo_guess(r, k, node_budget, catch_up)
+        guessed.append(bool(solo))
+        return solo
+
+    engine._solo_guess = guessing  # type: ignore[method-assign]
+    seqs = run_batched(llm, prompts[:1], GREEDY, engine=engine)
+    assert seqs[0].output_ids == ref[0]
+    # Guesses first; then, the rate fallen, only the odd one where it still beats a probe of the drafter.
+    late = guessed[len(guessed) // 2:]
+    assert all(guessed[:5]) and sum(late) <= len(late) // 4, guessed

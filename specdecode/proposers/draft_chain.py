@@ -20,17 +20,14 @@ from __future__ import annotations
 import torch
 
 from specdecode.proposers.base import Draft, SequenceView
-from specdecode.proposers.lookup_choice import AcceptanceRate
 from specdecode.proposers.ngram_match import ngram_match
 from specdecode.sampling import draw_uniforms, logits_to_probs, sample_from_probs
 
 
 class ChainDraft:
-    def __init__(self, seq: SequenceView, k: int, lookup: tuple[int, int] | None, guess_rate: AcceptanceRate) -> None:
+    def __init__(self, seq: SequenceView, k: int, lookup: tuple[int, int] | None) -> None:
         self.seq, self.k = seq, k
         self.lookup = lookup if seq.output_counts is None else None
-        self.guess_rate = guess_rate
-        """Fed with the draft's own judgement of the guesses it rode along (free evidence of their quality)."""
         self.stochastic = not seq.params.greedy
         self.tokens: list[int] = []
         self.probs_rows: list[torch.Tensor] = []
@@ -81,13 +78,7 @@ class ChainDraft:
         used = 0
         while True:
             self.pick(rows[used])
-            if used == len(guess):
-                if guess:
-                    self.guess_rate.observe(used, used)  # every guessed token agreed
-                break
-            agreed = self.tokens[-1] == guess[used]
-            if not agreed or self.done:
-                self.guess_rate.observe(used + 1, used + agreed)
+            if used == len(guess) or self.tokens[-1] != guess[used] or self.done:
                 break
             used += 1
         return used + 1

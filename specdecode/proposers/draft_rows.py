@@ -4,24 +4,22 @@ The draft's KV cache has one row per running request (`RowCache`). A step catche
 (the prompt on its first draft, everything since it last drafted after a pause, else just the newest token)
 in one padded forward (`ragged.pack`), whose last position per row gives the first draft token; then chains
 advance every row by one forward per depth (rows riding a correct prompt-lookup guess finish in fewer), and
-trees grow every row's next level in one forward with tree attention. Each row keeps its own acceptance
-rates, lookup-or-draft choice and tree calibration, so its drafts do not depend on which rows share its batch
-(up to the float rounding of a wider forward).
+trees grow every row's next level in one forward with tree attention. Each row keeps its own tree
+calibration, so its drafts do not depend on which rows share its batch (up to the float rounding of a wider
+forward). Whether a row drafts at all or proposes its lookup guess alone is the engine's choice.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
 from specdecode.proposers.draft_chain import ChainDraft
-from specdecode.proposers.lookup_choice import AcceptanceRate, guess_beats_draft
-from specdecode.proposers.ngram_match import ngram_match
 from specdecode.proposers.ragged import Packed, RowInput, forward_rows
 from specdecode.proposers.row_cache import RowCache
 from specdecode.proposers.tree_growth import TreeGrower, level_width
@@ -82,13 +80,7 @@ class _Row:
     """Its row of the draft's cache."""
     num_cached: int = 0
     """Tokens of the sequence whose K/V are valid in that row (slots [0, num_cached))."""
-    guess_rate: AcceptanceRate = field(default_factory=AcceptanceRate)
-    draft_rate: AcceptanceRate = field(default_factory=AcceptanceRate)
     tree_value: TreeValue | None = None
-    guessed: bool = False
-    """The last proposal was a bare lookup guess (the draft model did not run)."""
-    proposed: int = 0
-    """Tokens of the last chain proposal."""
 
 
 class DraftModelRows(RowTreeValues):
@@ -133,9 +125,6 @@ class DraftModelRows(RowTreeValues):
         row = self.rows[key]
         if row.tree_value is not None:
             row.tree_value.observe(own_accepted)
-        if row.proposed:  # a chain (trees and k = 0 steps say nothing about either rate)
-            (row.guess_rate if row.guessed else row.draft_rate).observe(row.proposed, num_accepted)
-            row.proposed = 0  # observed once: a later step the row does not draft in is not this proposal's
         # The cache holds the prefix plus the first k-1 draft tokens; keep only accepted ones.
         row.num_cached = min(row.num_cached, len(seq.token_ids) - 1)
 
@@ -156,18 +145,7 @@ class DraftModelRows(RowTreeValues):
     @torch.inference_mode()
     def propose(self, asks: list[ProposeRow]) -> list[Draft]:
         drafts = [Draft() for _ in asks]
-        work = []
-        for i, ask in enumerate(asks):
-            row = self.rows[ask.key]
-            row.guessed, row.proposed = False, 0
-            if ask.k <= 0:
-                continue
-            guess = self._winning_guess(row, ask)
-            if guess:  # a point mass, as from the n-gram proposer; the draft catches up on it when next used
-                row.guessed, row.proposed = True, len(guess)
-                drafts[i] = Draft(guess)
-            else:
-                work.append(i)
+        work = [i for i, ask in enumerate(asks) if ask.k > 0]
         if not work:
             return drafts
         # Catch-up of every drafting row in one forward: the logits after each row's newest token.
@@ -191,23 +169,13 @@ class DraftModelRows(RowTreeValues):
 
     # ---- drafting ----------------------------------------------------------------------------------------
 
-    def _winning_guess(self, row: _Row, ask: ProposeRow) -> list[int]:
-        """The lookup guess when it promises more tokens per second than drafting (chains only), else []."""
-        if (self.capabilities.trees or not self.prompt_lookup or self.target_seconds is None
-                or ask.seq.output_counts is not None):
-            return []
-        guess = ngram_match(ask.seq.token_ids, *self.prompt_lookup, ask.k)
-        wins = guess_beats_draft(len(guess), ask.k, row.guess_rate.value, row.draft_rate.value, self.target_seconds,
-                                 self.step_cost_hint())
-        return guess if wins else []
-
     def _chains(self, asks: list[ProposeRow], work: list[int], first: dict[int, torch.Tensor]) -> dict[int, Draft]:
         """Every row's chain, one forward per depth over the rows still drafting."""
         chains: dict[int, ChainDraft] = {}
         try:
             for i in work:
                 row = self.rows[asks[i].key]
-                chains[i] = ChainDraft(asks[i].seq, asks[i].k, self.prompt_lookup, row.guess_rate)
+                chains[i] = ChainDraft(asks[i].seq, asks[i].k, self.prompt_lookup)
                 chains[i].pick(first[row.slot][-1])
             while active := [i for i in work if not chains[i].done]:
                 feeds, starts = {}, {}
@@ -223,10 +191,7 @@ class DraftModelRows(RowTreeValues):
         finally:
             for chain in chains.values():  # grammar matchers stand where they stood, even if drafting failed
                 chain.rollback()
-        made = {i: chains[i].draft() for i in work}
-        for i in work:
-            self.rows[asks[i].key].proposed = len(made[i])
-        return made
+        return {i: chains[i].draft() for i in work}
 
     def _trees(self, asks: list[ProposeRow], work: list[int], first: dict[int, torch.Tensor]) -> dict[int, Draft]:
         """Every row's tree, one forward with tree attention per level over the rows still growing. Tree

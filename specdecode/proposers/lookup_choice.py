@@ -38,19 +38,6 @@ def expected_tokens(alpha: float, n: int) -> float:
     return 1.0 + sum(alpha**i for i in range(1, n + 1))
 
 
-def guess_beats_draft(
-    guess_len: int,
-    k: int,
-    guess_alpha: float,
-    draft_alpha: float,
-    target_seconds: Callable[[int], float],
-    draft_step_seconds: float,
-) -> bool:
-    """True when verifying the guess yields at least the tokens per second of drafting k tokens."""
-    draft_seconds = target_seconds(k + 1) + k * draft_step_seconds
-    return guess_beats(guess_len, guess_alpha, expected_tokens(draft_alpha, k), draft_seconds, target_seconds)
-
-
 def guess_beats(guess_len: int, guess_alpha: float, draft_tokens: float, draft_seconds: float,
                 target_seconds: Callable[[int], float]) -> bool:
     """True when verifying the guess alone yields at least the tokens per second of the drafter's step, which
