@@ -489,7 +489,7 @@ def test_draft_proposer_reports_its_catch_up(tiny_llama_dir) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "draft", "model": str(tiny_llama_dir)})
     engine = llm.batch_engine(max_num_seqs=2)
     assert engine.proposer is not None and engine.proposer.capabilities.catch_up
-    assert engine.cost is not None and engine.cost.catch_up_token_seconds > 0  # measured on a probe proposer
+    assert engine.cost is not None and engine.cost.catch_up_token_seconds > 0  # measured at start-up
 
 
 def test_a_probe_that_needs_a_catch_up_is_capped_like_any_k() -> None:

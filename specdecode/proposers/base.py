@@ -95,14 +95,8 @@ class Proposer(Protocol):
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         """The target's features [m, D] of the next m kept positions (capabilities.target_hidden)."""
 
-    def catch_up_tokens(self, seq: SequenceView) -> int:
-        """Tokens the next propose feeds before drafting (capabilities.catch_up); 0 otherwise."""
-
     def step_cost_hint(self) -> float:
         """Seconds per drafted token (0 for free proposers); measured once at start-up."""
-
-    def catch_up_token_seconds(self) -> float:
-        """Seconds per token of a catch-up forward (0 without catch-up); measured with step_cost_hint."""
 
 
 class ProposerDefaults:
@@ -116,13 +110,7 @@ class ProposerDefaults:
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         pass
 
-    def catch_up_tokens(self, seq: SequenceView) -> int:
-        return 0
-
     def step_cost_hint(self) -> float:
-        return 0.0
-
-    def catch_up_token_seconds(self) -> float:
         return 0.0
 
 

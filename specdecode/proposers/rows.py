@@ -1,7 +1,8 @@
 """The batch proposer built from per-sequence proposers: one drafting state per row of the batch.
 
-`propose` takes every row's request in one call; each row drafts with its own state (its own draft-model
-cache, head cache and acceptance estimates), so a row's drafts never depend on which rows share its batch.
+`propose` takes every row's request in one call; each row drafts with its own state (a Medusa row's newest
+feature and tree calibration), so a row's drafts never depend on which rows share its batch. The proposers
+built this way (n-gram, Medusa) hold no cache of their own, so they never catch up.
 """
 
 from __future__ import annotations
@@ -56,13 +57,13 @@ class RowProposers:
         self.rows[key].on_verified(seq, num_accepted, own_accepted)
 
     def catch_up_tokens(self, key: int, seq: SequenceView) -> int:
-        return self.rows[key].catch_up_tokens(seq)
+        return 0  # a per-sequence proposer holds no cache of its own to catch up
 
     def step_cost_hint(self) -> float:
         return self.probe.step_cost_hint()
 
     def catch_up_token_seconds(self) -> float:
-        return self.probe.catch_up_token_seconds()
+        return 0.0
 
 
 class MedusaRows(RowProposers):
