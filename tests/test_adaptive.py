@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from specdecode.engine.adaptive import AcceptanceTracker, AdaptiveK, CostModel, choose_k
+from specdecode.cost_model import CostModel
+from specdecode.engine.adaptive import AcceptanceTracker, AdaptiveK, choose_k
 
 # Measured shapes of a Qwen 1.5B target on 2 CPU threads.
 INT8_TARGET = CostModel.from_points({1: 0.036, 4: 0.070, 8: 0.074, 16: 0.147}, max_tokens=17)

@@ -15,9 +15,9 @@ import torch
 from tiny_helpers import copy_with_vocab_rows
 
 from specdecode import LLM, SamplingParams
+from specdecode.cost_model import CostModel
 from specdecode.engine import llm as llm_module
 from specdecode.engine import validation
-from specdecode.engine.adaptive import CostModel
 from specdecode.engine.validation import IncompatibleDraftError, InsufficientMemoryError
 from specdecode.model.load import read_config
 from specdecode.proposers.base import Draft, ProposeRow

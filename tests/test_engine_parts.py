@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.engine.adaptive import AdaptiveK, CostModel
+from specdecode.cost_model import CostModel
+from specdecode.engine.adaptive import AdaptiveK
 from specdecode.engine.chunking import MIN_CHUNK_TOKENS, ChunkTimer
 from specdecode.engine.prefill_share import PrefillShares
 from specdecode.engine.prefix_cache import PrefixCache

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.engine.adaptive import CostModel
+from specdecode.cost_model import CostModel
 from specdecode.model.config import ModelConfig
 from specdecode.model.load import load_model
 from specdecode.model.transformer import Transformer

@@ -10,7 +10,7 @@ from stat_helpers import block_output_counts
 from tiny_helpers import GREEDY, record_rows, run_batched, tiny_prompts
 
 from specdecode import LLM, SamplingParams
-from specdecode.engine.adaptive import CostModel
+from specdecode.cost_model import CostModel
 from specdecode.proposers.ngram_match import ngram_match
 from specdecode.sampling import tree_output_counts
 from specdecode.tree import build_tree

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specdecode.engine.adaptive import CostModel
+from specdecode.cost_model import CostModel
 from specdecode.proposers.tree_growth import grow_tree, prune_to_best
 from specdecode.proposers.tree_value import TreeValue, best_node_count
 

@@ -19,7 +19,8 @@ from collections import deque
 
 import torch
 
-from specdecode.engine.adaptive import AdaptiveK, CostModel
+from specdecode.cost_model import CostModel
+from specdecode.engine.adaptive import AdaptiveK
 from specdecode.engine.chunking import ChunkTimer
 from specdecode.engine.constrain import constrain_rows
 from specdecode.engine.plan import RowTree, StepPlan, build_plan

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB, SpeculativeConfig
-from specdecode.engine.adaptive import CostModel
+from specdecode.cost_model import CostModel
 from specdecode.engine.core import Engine
 from specdecode.engine.measure import CostMeasurement
 from specdecode.engine.prefix_cache import PrefixCache

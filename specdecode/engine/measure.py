@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from specdecode.engine.adaptive import CostModel
+from specdecode.cost_model import CostModel
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import BatchProposer
 from specdecode.tree import MAX_TREE_NODES

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdecode.engine.adaptive import AdaptiveK, CostModel, tree_node_budget
+from specdecode.cost_model import CostModel, tree_node_budget
+from specdecode.engine.adaptive import AdaptiveK
 from specdecode.proposers.lookup_choice import expected_tokens
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, priced_nodes
 from specdecode.tree import MAX_TREE_NODES

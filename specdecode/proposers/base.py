@@ -17,7 +17,7 @@ import torch
 from specdecode.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from specdecode.engine.adaptive import CostModel
+    from specdecode.cost_model import CostModel
     from specdecode.structured.matcher import TokenMatcher
 
 

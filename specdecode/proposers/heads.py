@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from specdecode.engine.adaptive import CostModel
+from specdecode.cost_model import CostModel
 from specdecode.heads.modules import MedusaHeads
 from specdecode.proposers.base import Capabilities, Draft, ProposerDefaults, SequenceView
 from specdecode.proposers.head_columns import HeadColumns

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from specdecode.engine.adaptive import CostModel
+from specdecode.cost_model import CostModel
 from specdecode.proposers.base import Capabilities, Draft, Proposer, ProposeRow, SequenceView
 from specdecode.proposers.heads import MedusaProposer
 

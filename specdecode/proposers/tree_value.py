@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from specdecode.engine.adaptive import CostModel
+    from specdecode.cost_model import CostModel
     from specdecode.proposers.base import Capabilities
 
 
