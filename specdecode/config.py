@@ -1,4 +1,5 @@
-"""Speculative decoding configuration, in vLLM's `speculative_config` shape."""
+"""Speculative decoding configuration, in vLLM's `speculative_config` shape, and the choices and defaults that
+`LLM`, the CLI and the server share (weight formats, the prefix cache's bound, the prefill chunk size)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ class SpeculativeConfig:
     verifies the guess alone (the drafter not run) when that promises more tokens per second than drafting."""
     head_prompt_tokens: bool = False
     """EAGLE and Medusa heads also score the prompt's tokens that their draft vocabulary lacks (names and words
-    an answer copies; needs a target whose output rows are its input embeddings, as Qwen2.5's). Off by default:
-    with the shipped head it changed no τ on Spec-Bench; the prompt-lookup branch already drafts such copies."""
+    an answer copies; needs a target whose output rows are its input embeddings, as Qwen2.5's). It changes what
+    the heads draft, never the output. Off by default: the prompt-lookup branch already drafts such copies."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
     draft_tree_width: int | None = None
@@ -59,11 +60,12 @@ class SpeculativeConfig:
     cost model finds nearly as cheap as one token (at least 2 a level). None = the method's default: a chain
     for "draft", dynamic for "eagle" and "medusa"."""
     draft_tree_branching: int | None = None
-    """Tree proposers: top-b candidates expanded per kept node. None = the method's default: 4 for "eagle"
-    (on Spec-Bench it drafts a little more than 2 at no cost in speed), 2 for "draft" and "medusa"."""
+    """Tree proposers: top-b candidates expanded per kept node. None = the method's default: 4 for "eagle" (an
+    EAGLE head's runners-up are worth a place among the level's candidates, and candidates cost nothing until
+    kept), 2 for "draft" and "medusa"."""
     quantization: str = "auto"
-    """Draft weight format: "none", "int8", "int8-dynamic", "int4", or "auto" (int4 for a bf16 draft on
-    CPU, the fastest single-token path measured here; none otherwise)."""
+    """Draft weight format (DRAFT_QUANTIZATIONS): "auto" takes the CPU's fastest single-token path for a bf16
+    draft (`specdecode.model.fast_linear.draft_linear_format`) and keeps the weights otherwise."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

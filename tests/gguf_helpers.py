@@ -101,9 +101,9 @@ def write_tiny_gguf(hf_dir: Path, path: Path) -> Path:
     the Q/K rows); it decodes exactly as the directory does."""
     from safetensors.torch import load_file
 
-    from specdecode.model.config import ModelConfig
+    from specdecode.model.architectures import config_from_hf
 
-    cfg = ModelConfig.from_hf_dict(json.loads((hf_dir / "config.json").read_text()))
+    cfg = config_from_hf(json.loads((hf_dir / "config.json").read_text()))
     assert cfg.arch == "qwen2", cfg.arch
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_context_length(cfg.max_position_embeddings)

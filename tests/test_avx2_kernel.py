@@ -1,4 +1,4 @@
-"""The AVX2 bf16 GEMM (native_kernels.bf16_gemm_avx2), which runs the bf16 format on CPUs without AVX512-BF16,
+"""The AVX2 bf16 GEMM (native_gemm.bf16_gemm_avx2), which runs the bf16 format on CPUs without AVX512-BF16,
 where oneDNN's bf16 matmul refuses to run. It builds and is tested on any AVX2 CPU, with or without AVX512."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.model import native_kernels
-from specdecode.model.fast_linear import BF16Linear, Int8WeightLinear, onednn_bf16_supported
+from specdecode.model import native_gemm, native_kernels, native_layouts
+from specdecode.model.bf16_linear import BF16Linear, onednn_bf16_supported
+from specdecode.model.int8_linear import Int8WeightLinear
 
 pytestmark = pytest.mark.skipif(not native_kernels.avx2_available(), reason="no AVX2 CPU or no C compiler")
 
@@ -15,12 +16,12 @@ pytestmark = pytest.mark.skipif(not native_kernels.avx2_available(), reason="no 
 @pytest.mark.parametrize(("n", "k"), [(16, 3), (20, 5), (33, 1)])
 def test_packing_round_trips_and_puts_channels_where_the_unpacks_expect_them(n: int, k: int) -> None:
     w = torch.randn(n, k).bfloat16()
-    packed = native_kernels.pack_bf16_avx2(w)
+    packed = native_layouts.pack_bf16_avx2(w)
     assert packed.shape == (-(-n // 16), k, 16)
-    assert torch.equal(native_kernels.unpack_bf16_avx2(packed, n), w)
+    assert torch.equal(native_layouts.unpack_bf16_avx2(packed, n), w)
     # the low 128-bit halves of a group's 16 values hold channels 0-3 and 4-7, the high halves 8-11 and 12-15
     assert torch.equal(packed[0, 0, 4:8], w[8:12, 0]) and torch.equal(packed[0, 0, 8:12], w[4:8, 0])
-    unpacked = native_kernels.unpack_bf16_avx2_to_f32(packed, torch.empty(k, packed.shape[0] * 16))  # [K, N padded]
+    unpacked = native_gemm.unpack_bf16_avx2_to_f32(packed, torch.empty(k, packed.shape[0] * 16))  # [K, N padded]
     assert torch.equal(unpacked[:, :n], w.float().t()) and not unpacked[:, n:].any()
 
 
@@ -39,15 +40,15 @@ def test_matches_reference_and_rows_are_independent(m: int, k: int, n: int, with
     w = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
     ref = _reference(x, w, bias)
-    packed = native_kernels.pack_bf16_avx2(w)
-    y = native_kernels.bf16_gemm_avx2(x, packed, n, bias)  # fp32 in, fp32 out
+    packed = native_layouts.pack_bf16_avx2(w)
+    y = native_gemm.bf16_gemm_avx2(x, packed, n, bias)  # fp32 in, fp32 out
     assert y.dtype == torch.float32
     bound = 4 * k * torch.finfo(torch.float32).eps * (x.bfloat16().double().abs() @ w.double().abs().T) + 1e-6
     assert ((y.double() - ref).abs() <= bound).all()
-    yb = native_kernels.bf16_gemm_avx2(x.bfloat16(), packed, n, bias)  # bf16 in: the same sums, rounded once at the end
+    yb = native_gemm.bf16_gemm_avx2(x.bfloat16(), packed, n, bias)  # bf16 in: the same sums, rounded once at the end
     assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
     for i in range(m):  # a row's result does not depend on the other rows of the call
-        assert torch.equal(native_kernels.bf16_gemm_avx2(x[i : i + 1], packed, n, bias), y[i : i + 1])
+        assert torch.equal(native_gemm.bf16_gemm_avx2(x[i : i + 1], packed, n, bias), y[i : i + 1])
 
 
 @pytest.mark.skipif(onednn_bf16_supported() or native_kernels.available(),
@@ -57,8 +58,8 @@ def test_bf16_linear_takes_the_avx2_kernel_where_onednn_cannot() -> None:
     module = BF16Linear(lin)
     assert module.avx2
     x = torch.randn(4, 48, dtype=torch.bfloat16)
-    packed = native_kernels.pack_bf16_avx2(lin.weight.detach())
-    assert torch.equal(module(x), native_kernels.bf16_gemm_avx2(x, packed, 20, lin.bias.detach()))
+    packed = native_layouts.pack_bf16_avx2(lin.weight.detach())
+    assert torch.equal(module(x), native_gemm.bf16_gemm_avx2(x, packed, 20, lin.bias.detach()))
     long = torch.randn(80, 48, dtype=torch.bfloat16)  # prefill rows: an fp32 matmul of the same values
     ref = torch.nn.functional.linear(long.float(), lin.weight.float(), lin.bias.float())
     torch.testing.assert_close(module(long).float(), ref.bfloat16().float(), rtol=1e-2, atol=1e-2)
@@ -70,14 +71,14 @@ def test_int8_kernel_matches_the_dequantized_reference_and_rows_are_independent(
     x = torch.randn(m, k, generator=g)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = (torch.rand(n, generator=g) / 100 + 1e-3).bfloat16()
-    packed = native_kernels.pack_int8_avx2(q)
-    assert packed.shape == (-(-n // 16), k, 16) and torch.equal(native_kernels.unpack_int8_avx2(packed, n), q)
-    y = native_kernels.int8_gemm_avx2(x, packed, scale)
+    packed = native_layouts.pack_int8_avx2(q)
+    assert packed.shape == (-(-n // 16), k, 16) and torch.equal(native_layouts.unpack_int8_avx2(packed, n), q)
+    y = native_gemm.int8_gemm_avx2(x, packed, scale)
     ref = (x.bfloat16().double() @ q.double().T) * scale.double()
     bound = 4 * k * torch.finfo(torch.float32).eps * (x.bfloat16().double().abs() @ q.double().abs().T) * scale.double()
     assert ((y.double() - ref).abs() <= bound + 1e-6).all()
     for i in range(m):
-        assert torch.equal(native_kernels.int8_gemm_avx2(x[i : i + 1], packed, scale), y[i : i + 1])
+        assert torch.equal(native_gemm.int8_gemm_avx2(x[i : i + 1], packed, scale), y[i : i + 1])
 
 
 @pytest.mark.skipif(native_kernels.available(), reason="this CPU runs weight-only int8 on the AVX512 kernel")

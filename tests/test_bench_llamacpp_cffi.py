@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from specdecode.bench import llamacpp_cffi, peers
-from specdecode.bench.peers import PeerContext, make_peers
+from specdecode.bench import llamacpp_cffi, peer_llamacpp
+from specdecode.bench.peer_base import PeerContext
+from specdecode.bench.peers import make_peers
 
 EOS = 99
 
@@ -123,7 +124,7 @@ def fake_cffi(monkeypatch: pytest.MonkeyPatch) -> FakeLib:
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     monkeypatch.setitem(sys.modules, "llama", _fake_module("llama"))
     monkeypatch.setitem(sys.modules, "llama.llama_cpp", _fake_module("llama.llama_cpp", ffi=FakeFFI(), lib=lib))
-    monkeypatch.setattr(peers, "_dist_version", lambda name: "0.4.42" if name == "llama-cpp-cffi" else None)
+    monkeypatch.setattr(peer_llamacpp, "_dist_version", lambda name: "0.4.42" if name == "llama-cpp-cffi" else None)
     return lib
 
 
@@ -169,7 +170,7 @@ def test_llamacpp_peer_skip_notes(monkeypatch: pytest.MonkeyPatch, fake_cffi: Fa
     found, notes = make_peers(["llamacpp"], hf_dir)
     assert found == [] and "needs a GGUF" in notes[0]
 
-    monkeypatch.setattr(peers, "_dist_version", lambda name: None)  # a "llama" module of another package
+    monkeypatch.setattr(peer_llamacpp, "_dist_version", lambda name: None)  # a "llama" module of another package
     gguf = PeerContext(target_path=Path("/models/m.gguf"), draft_path=None, eos_token_id=5, max_tokens=4)
     found, notes = make_peers(["llama.cpp"], gguf)
     assert found == [] and notes[0].startswith("llama.cpp: skipped, neither") and "llama-cpp-cffi" in notes[0]

@@ -1,5 +1,5 @@
-"""The AVX512 kernels (specdecode.model.native_kernels: weight-only int8 / int4, and bf16) and their use by the
-linears.
+"""The AVX512 kernels (specdecode.model.native_gemm: weight-only int8 / int4, and bf16; native_kernels: the decoder
+ops) and their use by the linears.
 
 Parity with the dequantized weights uses the bounds of test_quantized_linears, for our kernel and for
 torch's (the fallback) alike. A row's output must not depend on the other rows of the forward: that is
@@ -12,8 +12,10 @@ import pytest
 import torch
 from linear_helpers import BF16_HALF_ULP, FP32_ULP, bf16_linear, check_bound, inputs
 
-from specdecode.model import native_kernels
-from specdecode.model.fast_linear import NATIVE_BF16_MAX_ROWS, BF16Linear, Int4WeightLinear, Int8WeightLinear
+from specdecode.model import native_kernels, native_layouts
+from specdecode.model.bf16_linear import NATIVE_BF16_MAX_ROWS, BF16Linear
+from specdecode.model.int4_linear import Int4WeightLinear
+from specdecode.model.int8_linear import Int8WeightLinear
 
 needs_native = pytest.mark.skipif(not native_kernels.available(), reason="no AVX512-BF16 CPU or no C compiler")
 KERNELS = [pytest.param(True, id="native", marks=needs_native), pytest.param(False, id="torch")]
@@ -22,9 +24,9 @@ CLASSES = {"int8": Int8WeightLinear, "int4": Int4WeightLinear, "bf16": BF16Linea
 
 def test_pack_int4_layout() -> None:
     q = (torch.arange(256) * 7 % 16).to(torch.uint8).reshape(1, 256)  # two groups of 128
-    packed = native_kernels.pack_int4(q)
+    packed = native_layouts.pack_int4(q)
     assert packed.shape == (1, 128)
-    assert torch.equal(native_kernels.unpack_int4(packed), q)
+    assert torch.equal(native_layouts.unpack_int4(packed), q)
     for group in range(2):
         for i in range(32):
             word = int(packed[0, group * 64 + 2 * i]) | int(packed[0, group * 64 + 2 * i + 1]) << 8
@@ -36,21 +38,21 @@ def test_tile_rows_layout() -> None:
     """Blocks of 16 rows, 64-byte chunks, chunk c of a block's rows together; zero padding; exact inverse."""
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-127, 128, (20, 70), generator=g, dtype=torch.int8)  # 2 blocks (of 16), 2 chunks (of 64)
-    tiles = native_kernels.tile_rows(w)
+    tiles = native_layouts.tile_rows(w)
     assert tiles.shape == (2, 2, 16, 64) and tiles.dtype == torch.uint8
     for n in (0, 15, 16, 19):
         for k in (0, 63, 64, 69):
             assert int(tiles[n // 16, k // 64, n % 16, k % 64].view(torch.int8)) == int(w[n, k])
     assert not tiles[1, :, 4:].any() and not tiles[:, 1, :, 6:].any()  # padding rows and bytes are zero
-    assert torch.equal(native_kernels.untile_rows(tiles, 20, 70, torch.int8), w)
+    assert torch.equal(native_layouts.untile_rows(tiles, 20, 70, torch.int8), w)
     wb = torch.randn(37, 200, generator=g).bfloat16()  # 2 bytes a weight: 400 bytes a row, 7 chunks
-    tiles = native_kernels.tile_rows(wb)
+    tiles = native_layouts.tile_rows(wb)
     assert tiles.shape == (3, 7, 16, 64)
-    assert torch.equal(native_kernels.untile_rows(tiles, 37, 200, torch.bfloat16), wb)
-    tiles = native_kernels.tile_rows(w, rows_per_tile=4)  # the int4 kernel's tiles
+    assert torch.equal(native_layouts.untile_rows(tiles, 37, 200, torch.bfloat16), wb)
+    tiles = native_layouts.tile_rows(w, rows_per_tile=4)  # the int4 kernel's tiles
     assert tiles.shape == (5, 2, 4, 64)
     assert int(tiles[4, 1, 3, 5].view(torch.int8)) == int(w[19, 69])
-    assert torch.equal(native_kernels.untile_rows(tiles, 20, 70, torch.int8), w)
+    assert torch.equal(native_layouts.untile_rows(tiles, 20, 70, torch.int8), w)
 
 
 @needs_native
@@ -59,7 +61,7 @@ def test_int4_partial_last_tile(rows: int) -> None:
     """102 output channels: the last 4-row tile holds 2 rows and 2 of zero padding, never written out."""
     lin = bf16_linear(102, 256, seed=11)
     module = Int4WeightLinear(lin, native=True)
-    assert module.packed.shape == (26, 2, native_kernels.INT4_TILE_ROWS, 64)
+    assert module.packed.shape == (26, 2, native_layouts.INT4_TILE_ROWS, 64)
     x = inputs(rows, 256, seed=12).bfloat16()
     check_bound(module(x), x.double(), module.dequantized(), lin.bias.detach(), BF16_HALF_ULP)
 
@@ -143,20 +145,21 @@ def test_int4_kernel_needs_whole_groups_of_128() -> None:
 
 def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDECODE_NATIVE_KERNELS", "0")
-    native_kernels._library.cache_clear()
-    native_kernels._avx2_library.cache_clear()
+    native_kernels.library.cache_clear()
+    native_kernels.avx2_library.cache_clear()
     try:
         assert not native_kernels.available()
         assert not Int8WeightLinear(bf16_linear(16, 64, seed=1)).native
         with pytest.raises(ValueError, match="not available"):
             Int4WeightLinear(bf16_linear(16, 128, seed=1), native=True)
     finally:  # no cached None for later tests: they look the libraries up again once the variable is restored
-        native_kernels._library.cache_clear()
-        native_kernels._avx2_library.cache_clear()
+        native_kernels.library.cache_clear()
+        native_kernels.avx2_library.cache_clear()
 
 
 def test_convert_linears_picks_the_kernels() -> None:
-    from specdecode.model.fast_linear import Int4HybridLinear, convert_linears
+    from specdecode.model.fast_linear import convert_linears
+    from specdecode.model.int4_linear import Int4HybridLinear
 
     model = torch.nn.Sequential(bf16_linear(16, 128, seed=1), bf16_linear(16, 128, seed=2))
     convert_linears(model, "int4-hybrid", native=False)

@@ -1,4 +1,5 @@
-"""The CPU Linear formats of specdecode.model.fast_linear, and speculative decoding on quantized targets.
+"""The CPU Linear formats (specdecode.model.fast_linear and its format modules), and speculative decoding on
+quantized targets.
 
 Parity: every format's output against float64 arithmetic on the weights its kernel really multiplies
 by (``dequantized()``; for int8-dynamic also the per-token fake-quantized input). What is left is the
@@ -21,21 +22,12 @@ from torch import nn
 
 from specdecode import LLM, SamplingParams
 from specdecode.cli import build_parser
-from specdecode.config import DRAFT_QUANTIZATIONS, SpeculativeConfig
-from specdecode.model import native_kernels
-from specdecode.model.fast_linear import (
-    FORMATS,
-    QUANTIZATIONS,
-    BF16Linear,
-    Int4HybridLinear,
-    Int4WeightLinear,
-    Int8DynamicLinear,
-    Int8WeightLinear,
-    convert_linears,
-    draft_linear_format,
-    fp32_linear_by_chunks,
-    target_linear_format,
-)
+from specdecode.config import DRAFT_QUANTIZATIONS, QUANTIZATIONS, SpeculativeConfig
+from specdecode.model import native_kernels, native_layouts
+from specdecode.model.bf16_linear import BF16Linear, fp32_linear_by_chunks
+from specdecode.model.fast_linear import FORMATS, convert_linears, draft_linear_format, target_linear_format
+from specdecode.model.int4_linear import Int4HybridLinear, Int4WeightLinear
+from specdecode.model.int8_linear import Int8DynamicLinear, Int8WeightLinear
 
 TOKENS = [1, 4, 16]
 SHAPES = [(256, 512), (512, 256)]  # (out_features, in_features): multiples of the int4 group and tiles
@@ -269,7 +261,7 @@ def test_fp32_linear_by_chunks_equals_one_fp32_matmul(m: int, n: int, chunk: int
     x = torch.randn(m, 48, generator=g)
     w = torch.randn(n, 48, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    y = fp32_linear_by_chunks(x, native_kernels.pack_bf16_avx2(w), n, bias, chunk=chunk)
+    y = fp32_linear_by_chunks(x, native_layouts.pack_bf16_avx2(w), n, bias, chunk=chunk)
     ref = torch.nn.functional.linear(x.bfloat16().float(), w.float(), None if bias is None else bias.float())
     assert y.shape == (m, n) and y.is_contiguous()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

@@ -35,7 +35,7 @@ def _run_ours(job: dict[str, Any]) -> int:
 def _run_llamacpp(job: dict[str, Any]) -> int:
     import importlib.util
 
-    if importlib.util.find_spec("llama_cpp") is None:  # the peer's other binding (`peers.llamacpp_binding`)
+    if importlib.util.find_spec("llama_cpp") is None:  # the peer's other binding (`peer_llamacpp.llamacpp_binding`)
         from specdecode.bench.llamacpp_cffi import CffiLlama
 
         llm = CffiLlama(job["model"], n_threads=job["threads"], n_ctx=job["n_ctx"], seed=0, temperature=0.0)

@@ -7,8 +7,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from specdecode.model.bf16_linear import bf16_copies_weights
 from specdecode.model.config import ModelConfig
-from specdecode.model.fast_linear import bf16_copies_weights
 from specdecode.model.tokenizer import Tokenizer
 
 

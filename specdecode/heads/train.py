@@ -65,9 +65,9 @@ class TrainOptions:
     """EAGLE: the target layers a fused-feature head reads (HeadConfig.feature_layers); None = those of
     `init_from` (none for a new head). The shards must hold those layers (`Shard.aux`)."""
     unroll_steps: int = 1
-    """EAGLE: training steps that feed the head its own predicted features (1 = teacher forcing only). From
-    scratch, 2 measured no better (τ 1.62 vs 1.59 on 5 HumanEval prompts); as fine-tuning epochs on a trained
-    head, 2 then 3 raised Spec-Bench τ 2.26 -> 2.38 and depth-2 acceptance 31% -> 35%."""
+    """EAGLE: training steps that feed the head its own predicted features (1 = teacher forcing only). Drafting
+    past the first token reads the head's own predictions, so later steps train it on them; they pay most as
+    fine-tuning of a head already trained with teacher forcing (docs/heads.md)."""
     normalize_regression: bool = False
     """EAGLE: regress features scaled per dimension by their spread in the data."""
     budget_minutes: float | None = None

@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
-from specdecode.model import native_kernels
+from specdecode.model import native_kernels, native_layouts
 
 KERNELS = native_kernels.SOURCE.parent
 ISAS = ("avx512", "avxvnni", "avx2", "scalar")
@@ -158,7 +158,7 @@ def repack(qtype: int, raw: np.ndarray, k: int, native: bool = True) -> torch.Te
     lib = library(kernel) if kernel else None
     if lib is not None:
         src = np.ascontiguousarray(raw)
-        dst = native_kernels._huge_page_bytes(src.size)
+        dst = native_layouts.huge_page_bytes(src.size)
         lib.gguf_repack(int(qtype), src.ctypes.data, n, k, dst.data_ptr(), torch.get_num_threads())
         return dst.view(t, nb, TILE * ts)
     fields, codes, hi = _split(qtype, np.asarray(raw).reshape(n, nb, ts))
@@ -178,7 +178,7 @@ def repack(qtype: int, raw: np.ndarray, k: int, native: bool = True) -> torch.Te
     out.append(np.concatenate(planes, axis=-1).reshape(t, nb, -1))
     tiles = np.concatenate(out, axis=-1)
     assert tiles.shape[-1] == TILE * ts
-    dst = native_kernels._huge_page_bytes(tiles.size)
+    dst = native_layouts.huge_page_bytes(tiles.size)
     dst.numpy()[:] = tiles.reshape(-1)
     return dst.view(t, nb, TILE * ts)
 

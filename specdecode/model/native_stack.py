@@ -16,16 +16,11 @@ import torch
 from torch import nn
 
 from specdecode.model import native_kernels
-from specdecode.model.fast_linear import (
-    NATIVE_BF16_MAX_ROWS,
-    BF16Linear,
-    Int4HybridLinear,
-    Int4WeightLinear,
-    Int8DynamicLinear,
-    Int8WeightLinear,
-)
+from specdecode.model.bf16_linear import NATIVE_BF16_MAX_ROWS, BF16Linear
 from specdecode.model.gguf_linear import GGUFLinear
 from specdecode.model.gguf_linear import gemm_address as gguf_gemm_address
+from specdecode.model.int4_linear import Int4HybridLinear, Int4WeightLinear
+from specdecode.model.int8_linear import Int8DynamicLinear, Int8WeightLinear
 from specdecode.model.kv_cache import CacheSlots, KVCache
 
 LIN_BF16, LIN_INT8_DYNAMIC, LIN_WOQ_INT8, LIN_WOQ_INT4, LIN_GEMM_FN = 0, 1, 2, 3, 4
@@ -178,7 +173,7 @@ def run(
     """x after every decoder layer (before the final norm), K/V written at the slots; and a copy of x as it
     enters each layer in `capture` (ascending; the layer count = after the last), one native call per stretch
     between them."""
-    lib = native_kernels._library()
+    lib = native_kernels.library()
     assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16
     cfg = model.config
     b, t, d = x.shape

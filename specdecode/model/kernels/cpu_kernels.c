@@ -104,7 +104,7 @@ static inline int64_t prefetch_row(int64_t n0, int64_t rows_per_block, int64_t N
 }
 
 // One pass over NR8 output channels for MB rows of x (permuted fp32 [M, Kp]); MB is a constant after inlining.
-// `tile`: the block's rows as `native_kernels.tile_rows(q, 4)` stores them (chunk c of row r at
+// `tile`: the block's rows as `native_layouts.tile_rows(q, 4)` stores them (chunk c of row r at
 // tile + (c * NR8 + r) * 64: one sequential stream, prefetched PF_AHEAD bytes ahead).
 ALWAYS_INLINE void int8_pass(const int MB, const float* xp, int64_t Kp, int64_t K, const int8_t* tile,
                              float* out) {
@@ -193,7 +193,7 @@ TARGET void woq_int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 // Groups of 128 weights, one 64-byte chunk each: 16-bit word i holds the nibbles of weights i, i + 32,
 // i + 64 and i + 96 (lowest first). Shifts and one ternary logic op per vector give four vectors of 32
 // bf16 numbers 128 + q in the weights' own order (bits 0x4300 | q), all in-lane.
-// Rows come in tiles of NR4 (`native_kernels.tile_rows(packed, 4)`): chunk c of row r of a block is at
+// Rows come in tiles of NR4 (`native_layouts.tile_rows(packed, 4)`): chunk c of row r of a block is at
 // tile + (c * NR4 + r) * 64, so a block reads one sequential stream rather than NR4 streams a row apart
 // (decode step of the int4 1.5B target: 42-44 ms against 46-53 on 2 Intel Xeon cores, docs/kernels.md).
 
@@ -307,7 +307,7 @@ TARGET void woq_int4_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, con
 #define NR_MAX 16
 #define MBB_MAX 4
 
-// The int8 x int8 kernel reads its weights tiled by `native_kernels.tile_rows`: rows in blocks of TILE_ROWS,
+// The int8 x int8 kernel reads its weights tiled by `native_layouts.tile_rows`: rows in blocks of TILE_ROWS,
 // each row cut into 64-byte chunks, chunk j of a block's rows stored together (1 KB), zero-padded to whole
 // blocks and chunks. One token's pass over a block is then one sequential stream, which the prefetchers
 // follow at the machine's full read speed: 16 row-major rows are 16 short streams, ~10-15% slower when

@@ -1,7 +1,7 @@
 // bf16 GEMM on AMX tiles (Intel Sapphire Rapids and later) for the exact bf16 target: one kernel for every
 // row count, so verification rows equal single-token rows bit for bit, at nearly the cost of one token.
 //
-// Why: on these Xeons vdpbf16ps runs at 1.6 G/s a core (benchmarks/instruction_rates.c), so the AVX512
+// Why: on these Xeons vdpbf16ps runs at 1.6 G/s a core (benchmarks/kernels/instruction_rates.c), so the AVX512
 // kernel's cost grows with the rows of a forward (1.5B target: 112 ms for one token, 192 for 8, 330 for 16).
 // One tdpbf16ps multiplies a 16 x 32 tile of activations by a 32 x 16 tile of weights; a token's forward
 // needs ~1/15 of the time its weights take to stream from memory, so up to 16 rows cost one row's time.
@@ -12,7 +12,7 @@
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): x rounded to bf16 first (as the AVX512 kernel takes it),
 // fp32 accumulation in the tiles, the bias added to the fp32 sum before the one rounding of the output.
 //
-// Weights (`native_kernels.pack_bf16_amx`): output channels in groups of 64 (4 tiles of 16 columns), zero-
+// Weights (`native_layouts.pack_bf16_amx`): output channels in groups of 64 (4 tiles of 16 columns), zero-
 // padded; for each 32-wide step of k the group's 4 tiles of 1 KB are stored together: [N/64][K/32][4][16][16][2]
 // with element (p, n, j) = w[64 g + 16 t + n][32 s + 2 p + j] (AMX's pairs of k). A group then streams as one
 // sequential read, as the tiled int8 / int4 weights do.

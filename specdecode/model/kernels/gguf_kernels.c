@@ -1,7 +1,7 @@
 // The AVX512-VNNI kernel of gguf_common.c's GEMM: a tile's 16 channels in one 512-bit register, every
 // block product with `vpdpbusd` (unsigned codes x signed activations), each decoded tile-block serving up to
 // 16 rows (a 16-row verification decodes and reads each weight block once: 10-20% less time than two passes
-// of 8 rows, `benchmarks/gguf_rows.py --rows-max 8,16`).
+// of 8 rows, `benchmarks/kernels/gguf_rows.py --rows-max 8,16`).
 
 #include <immintrin.h>
 

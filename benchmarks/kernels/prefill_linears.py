@@ -6,7 +6,7 @@ hundreds of rows and is bound by arithmetic, where bf16 dot products (oneDNN) do
 FMAs per instruction. On a CPU with AVX2 but no AVX512 the bf16 rows are ours: the AVX2 kernel and the
 chunked fp32 matmuls of prefill (`--rows 3,16,65,128,664` shows where one overtakes the other).
 
-    python benchmarks/prefill_linears.py [--rows 128,512] [--threads 2]
+    python benchmarks/kernels/prefill_linears.py [--rows 128,512] [--threads 2]
 """
 
 from __future__ import annotations
@@ -18,15 +18,10 @@ import torch
 import torch.nn.functional as F
 from linear_kernels import seconds_per_pass  # the timing loop of the decode-side twin of this script
 
-from specdecode.model import native_kernels
-from specdecode.model.fast_linear import (
-    BF16Linear,
-    Int4WeightLinear,
-    Int8DynamicLinear,
-    Int8WeightLinear,
-    fp32_linear_by_chunks,
-    onednn_bf16_supported,
-)
+from specdecode.model import native_gemm, native_kernels, native_layouts
+from specdecode.model.bf16_linear import BF16Linear, fp32_linear_by_chunks, onednn_bf16_supported
+from specdecode.model.int4_linear import Int4WeightLinear
+from specdecode.model.int8_linear import Int8DynamicLinear, Int8WeightLinear
 
 K, N = 1536, 8960
 
@@ -51,9 +46,9 @@ def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.T
     if onednn_bf16_supported():
         out["bf16 packed (oneDNN)"] = BF16Linear(lin, native=False)
     elif native_kernels.avx2_available():  # AVX2 without AVX512: oneDNN's bf16 matmul refuses to run
-        wp = native_kernels.pack_bf16_avx2(w)
+        wp = native_layouts.pack_bf16_avx2(w)
         out["bf16, our AVX2 kernel (decode and verification: up to 65 rows)"] = (
-            lambda x: native_kernels.bf16_gemm_avx2(x.reshape(-1, K), wp, N))
+            lambda x: native_gemm.bf16_gemm_avx2(x.reshape(-1, K), wp, N))
         out["bf16, fp32 matmuls on 256-channel chunks (AVX2 prefill)"] = (
             lambda x: fp32_linear_by_chunks(x.reshape(-1, K), wp, N, None))
         out["bf16, the same on chunks of [N, K] weights (before the packed layout)"] = (
@@ -66,7 +61,7 @@ def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.T
         out["int8 weight-only, q as bf16 + oneDNN"] = lambda x: F.linear(x, i8.weight.to(torch.bfloat16)) * i8.scales
     if native_kernels.available():
         out["int8-dynamic, ours"] = Int8DynamicLinear(lin, native=True)
-        out["bf16, ours (the decode kernel; used up to 65 rows)"] = lambda x: native_kernels.bf16_gemm(x, w)
+        out["bf16, ours (the decode kernel; used up to 65 rows)"] = lambda x: native_gemm.bf16_gemm(x, w)
         out["bf16, torch matmul (row-major weights: prefill)"] = lambda x: F.linear(x, w)
         out["int8 weight-only, ours"] = Int8WeightLinear(lin, native=True)
         out["int4 weight-only, ours"] = Int4WeightLinear(lin, native=True)

@@ -7,8 +7,8 @@ way. Here every round times one decode step (`decode_step.step_ms`, context 64) 
 loaded once, with a probe just before and just after it. Floor ÷ decode uses their mean; a step whose probes
 differ by more than 15% straddles a flip and is left out of the per-state medians (marked "~").
 
-    python benchmarks/floor_pairs.py [--model qwen2.5-coder-1.5b-instruct] [--formats bf16,int8,int8-dynamic,int4]
-        [--rounds 6]
+    python benchmarks/kernels/floor_pairs.py [--model qwen2.5-coder-1.5b-instruct]
+        [--formats bf16,int8,int8-dynamic,int4] [--rounds 6]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ their weights do not stay in the last-level cache, as in a real forward), timed 
 alternation (noise from other processes hits both alike), per linear kind and in all; the ratio R-row / 1-row
 time is what a verification forward's linears cost against a decode step's.
 
-    python benchmarks/gguf_rows.py [--rows 16] [--rounds 5] [--threads 2] [--layers 12] [--kernels avx512,avx2]
+    python benchmarks/kernels/gguf_rows.py [--rows 16] [--rounds 5] [--threads 2] [--layers 12] [--kernels avx512,avx2]
         [--hidden 1536 --ff 8960 --heads 12 --kv-heads 2] [--rows-max 8,16]
 
 `--rows-max` builds the AVX512 kernel with each ROWS_MAX (rows served per decoded weight block) for an A/B.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from gguf_random import _data  # noqa: E402
 
 from specdecode.model import gguf_linear  # noqa: E402

@@ -7,7 +7,7 @@
    (`llama_cpp.Llama(model_path=..., n_threads=2)`) on the same file, alternated; tokens/s is
    (N - 1) / (time of N tokens - time of 1 token), so prompt processing is left out of both.
 
-    python benchmarks/gguf_native.py [--model qwen2.5-coder-1.5b-instruct] [--tokens 1,4,16,64] [--rounds 3]
+    python benchmarks/kernels/gguf_native.py [--model qwen2.5-coder-1.5b-instruct] [--tokens 1,4,16,64] [--rounds 3]
         [--decode-tokens 64] [--threads 2] [--skip-bf16] [--skip-llamacpp]
 """
 

@@ -1,7 +1,7 @@
 """Milliseconds of one single-token decode step (forward + logits + argmax) of a model per linear format,
 with our kernels and with torch's (oneDNN for bf16, FBGEMM for int8-dynamic), and of a prompt's prefill.
 
-    python benchmarks/decode_step.py [--model qwen2.5-coder-0.5b-instruct] [--formats int4-hybrid,int8]
+    python benchmarks/kernels/decode_step.py [--model qwen2.5-coder-0.5b-instruct] [--formats int4-hybrid,int8]
         [--prefill-tokens 150]
 """
 
@@ -14,7 +14,8 @@ import time
 import torch
 
 from specdecode.model import native_kernels
-from specdecode.model.fast_linear import NATIVE_FORMATS, Int4HybridLinear, convert_linears
+from specdecode.model.fast_linear import NATIVE_FORMATS, convert_linears
+from specdecode.model.int4_linear import Int4HybridLinear
 from specdecode.model.load import load_model
 
 

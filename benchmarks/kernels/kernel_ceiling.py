@@ -4,7 +4,7 @@ L3 cache (so memory does not limit them), next to the same kernels streaming 12 
 A kernel whose ceiling is below the machine's read bandwidth cannot reach its memory floor however well it
 streams: on these 2 Zen 4 cores int8 and int4 weight-only decode their weights at ~52 / ~45 GB/s.
 
-    python benchmarks/kernel_ceiling.py [--threads 2]
+    python benchmarks/kernels/kernel_ceiling.py [--threads 2]
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import time
 
 import torch
 
-from specdecode.model.fast_linear import BF16Linear, Int4WeightLinear, Int8DynamicLinear, Int8WeightLinear
+from specdecode.model.bf16_linear import BF16Linear
+from specdecode.model.int4_linear import Int4WeightLinear
+from specdecode.model.int8_linear import Int8DynamicLinear, Int8WeightLinear
 
 FORMATS = [  # (name, module, weight bytes per weight incl. scales)
     ("bf16", BF16Linear, 2.0),

@@ -1,6 +1,6 @@
 // Throughput of the dot-product instructions the CPU kernels are built from, one core, 24 independent
 // accumulator chains, operands in registers (so neither memory nor latency limits them):
-//     gcc -O2 benchmarks/instruction_rates.c -o rates && ./rates
+//     gcc -O2 benchmarks/kernels/instruction_rates.c -o rates && ./rates
 // On the 2-core Zen 4 VMs (2026-12-02), per core: zmm vpdpbusd 1.53 G/s (64 u8 x s8 products each), ymm
 // vpdpbusd 3.36 G/s (32), zmm vdpbf16ps 3.51 G/s (32 bf16 products), zmm fp32 FMA 3.19 G/s (16); a second run
 // gave 1.65, 3.04, 3.36 and 3.29. VNNI on 512-bit registers runs at half the rate of vdpbf16ps there, so an

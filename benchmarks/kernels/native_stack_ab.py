@@ -2,8 +2,8 @@
 format, alternating in one process (this machine's memory speed flips within minutes), with the logits of both
 compared bit for bit.
 
-    python benchmarks/native_stack_ab.py [--model qwen2.5-coder-1.5b-instruct] [--formats bf16,int8-dynamic,int8,int4]
-        [--rounds 6]
+    python benchmarks/kernels/native_stack_ab.py [--model qwen2.5-coder-1.5b-instruct]
+        [--formats bf16,int8-dynamic,int8,int4] [--rounds 6]
 """
 
 from __future__ import annotations

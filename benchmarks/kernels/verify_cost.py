@@ -4,7 +4,7 @@ AMX kernel and the AVX512 one, both models loaded once and timed in alternation 
 Speculative decoding pays when verifying T tokens costs little more than one; on the Intel Xeon VMs the
 AVX512 kernel's bf16 dot products make T = 16 cost ~3x T = 1, so the cost model picks short drafts there.
 
-    python benchmarks/verify_cost.py [--model qwen2.5-coder-1.5b-instruct] [--tokens 1,4,8,16,32,64]
+    python benchmarks/kernels/verify_cost.py [--model qwen2.5-coder-1.5b-instruct] [--tokens 1,4,8,16,32,64]
         [--rounds 3] [--prefill 150]
 """
 

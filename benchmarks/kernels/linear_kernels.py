@@ -3,11 +3,11 @@
 Runs 24 distinct 1536 x 8960 linears (an MLP up-projection of the 1.5B target; 330M weights, far more
 than the caches hold) for a one-token input, eager and, for torch's weight-only kernels, through
 torch.compile with inductor's max-autotune C++ GEMM templates (the WOQ int8 / int4 micro-kernels); the
-weight-only formats also with our AVX512 kernels (`specdecode.model.native_kernels`).
+weight-only formats also with our AVX512 kernels (`specdecode.model.native_gemm`).
 GB/s = weight bytes read / seconds: a format within 1.3x of the memory floor needs about 1/1.3 of the
 machine's read bandwidth here.
 
-    python benchmarks/linear_kernels.py [--threads 2] [--no-compile]
+    python benchmarks/kernels/linear_kernels.py [--threads 2] [--no-compile]
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import time
 import torch
 
 from specdecode.model import native_kernels
-from specdecode.model.fast_linear import BF16Linear, Int4WeightLinear, Int8DynamicLinear, Int8WeightLinear
+from specdecode.model.bf16_linear import BF16Linear
+from specdecode.model.int4_linear import Int4WeightLinear
+from specdecode.model.int8_linear import Int8DynamicLinear, Int8WeightLinear
 
 K, N, LAYERS = 1536, 8960, 24
 FORMATS = [  # (name, module, weight bytes per weight incl. scales, compile it too)
