@@ -41,12 +41,12 @@ from serve_load import run_level  # noqa: E402
 
 from specdecode.bench.datasets import DATASETS, load_prompts  # noqa: E402
 from specdecode.bench.process import free_port  # noqa: E402
-from specdecode.cli import _add_model_args  # noqa: E402
+from specdecode.cli_args import add_model_args  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--setups", default="plain,ray-1,ray-2", help="comma list of plain, ray-N (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients (default: %(default)s)")
     p.add_argument("--dataset", default="spec_bench", help=f"one of {', '.join(DATASETS)} or a .jsonl path")

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import start_server, stream_events  # noqa: E402
 
 from specdecode.bench.datasets import dataset_path, read_jsonl  # noqa: E402
-from specdecode.cli import _add_model_args  # noqa: E402
+from specdecode.cli_args import add_model_args  # noqa: E402
 
 SCENARIOS = ("multiturn", "shared", "chunked")
 CLIENT_HEADERS: dict[str, str] = {}
@@ -49,7 +49,7 @@ CLIENT_HEADERS: dict[str, str] = {}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list (default: %(default)s)")
     p.add_argument("--conversations", type=int, default=20, help="MT-bench conversations (default: %(default)s)")
     p.add_argument("--turn-tokens", type=int, default=128, help="max_tokens of each turn (default: %(default)s)")

@@ -47,12 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdecode.bench.datasets import DATASETS, load_prompts  # noqa: E402
 from specdecode.bench.process import free_port, wait_healthy  # noqa: E402
-from specdecode.cli import _add_model_args  # noqa: E402
+from specdecode.cli_args import add_model_args  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
     p.add_argument("--api-key", default=None, help="API key of the server (--url)")
     p.add_argument("--concurrency", default="1,2,4,8,16", help="comma list of client counts (default: %(default)s)")

@@ -11,10 +11,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from specdecode.cli import (
-    _add_model_args,
-    _add_sampling_args,
+from specdecode.cli_args import (
     add_cache_args,
+    add_model_args,
+    add_sampling_args,
     cache_kwargs,
     fit_to_context,
     sampling_params_from_args,
@@ -32,10 +32,10 @@ COMMANDS_HELP = "/reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C s
 def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("chat", help="chat with a model in the terminal (multi-turn, streamed)",
                        description=f"Interactive multi-turn chat with streamed replies. {COMMANDS_HELP}.")
-    _add_model_args(c)
+    add_model_args(c)
     add_cache_args(c)
     c.add_argument("--system", default=None, help="system prompt that opens every conversation")
-    _add_sampling_args(c)
+    add_sampling_args(c)
     c.set_defaults(func=run_chat_command)
 
 

@@ -1,11 +1,6 @@
-"""The optional dependency groups (`pip install 'specdecode[serve]'` ...) and the message for a missing one."""
+"""The message for a missing optional dependency group (`pip install 'specdecode[serve]'` ...)."""
 
 from __future__ import annotations
-
-EXTRAS = {
-    "serve": ("fastapi", "uvicorn", "pydantic", "prometheus_client"),
-    "bench": ("matplotlib",),
-}
 
 
 def missing_extra(extra: str, exc: ImportError) -> str:

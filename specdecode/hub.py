@@ -3,20 +3,20 @@
 Resolution goes through `huggingface_hub` and its cache (`HF_HOME`, `HF_HUB_CACHE`, read when called, so a
 process may point them elsewhere after import). With `HF_HUB_OFFLINE=1`, or when the Hub cannot be reached, the
 local cache answers; a model that is not cached is refused saying so and how to fetch it.
+
+`UnknownModelError` lives here, below `specdecode.fetch` (whose `resolve_model` maps every kind of model name and
+raises it too).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.fetch import UnknownModelError
-
-__all__ = ["HubRef", "ModelNotCachedError", "add_hub_args", "hub_cache_dir", "is_hub_id", "parse_hub_id",
+__all__ = ["HubRef", "ModelNotCachedError", "UnknownModelError", "hub_cache_dir", "is_hub_id", "parse_hub_id",
            "resolve_hub"]
 
 _ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]*[\w])(?:@(?P<rev>[^:@]+))?(?::(?P<file>[^:]+\.gguf))?$",
@@ -26,6 +26,10 @@ MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*
 """What a model directory needs (never the repo's other formats: .bin, .gguf, onnx, ...)."""
 HEAD_FILES = [*MODEL_FILES, "*.bin", "*.pt"]
 """Public EAGLE / Medusa heads ship `pytorch_model.bin` or `medusa_lm_head.pt` as often as safetensors."""
+
+
+class UnknownModelError(ValueError):
+    """The name is neither a known alias, a .gguf file, a Hugging Face model directory, nor a model on the Hub."""
 
 
 class ModelNotCachedError(UnknownModelError):
@@ -140,39 +144,3 @@ def resolve_hub(name: str | HubRef, allow_patterns: list[str] | None = None) -> 
         raise UnknownModelError(f"{ref} holds {len(ggufs)} GGUF files ({shown}); choose one with {ref.repo}:FILE.gguf "
                                "or --gguf-file FILE.gguf")
     raise UnknownModelError(f"{ref} ({snapshot}) has neither config.json with *.safetensors nor a .gguf file")
-
-
-class _ModelPart(argparse.Action):
-    """--model, --revision and --gguf-file in any order compose one model name (`ORG/NAME@REV:FILE.gguf`)."""
-
-    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any,
-                 option: str | None = None) -> None:
-        if self.dest == "model":
-            ns._model_base = value
-            ns._model_given = True
-        else:
-            ns.__dict__.setdefault("_model_base", ns.model)
-            setattr(ns, self.dest, value)
-        rev, gguf_file = getattr(ns, "revision", None), getattr(ns, "gguf_file", None)
-        base = ns._model_base
-        ref = parse_hub_id(base)
-        if (rev or gguf_file) and (ref is None or (ref.revision and rev) or (ref.gguf_file and gguf_file)):
-            if getattr(ns, "_model_given", False):
-                parser.error(f"--revision/--gguf-file need --model ORG/NAME (a Hugging Face id without @REVISION "
-                             f"or :FILE.gguf of its own), got {base!r}")
-            return  # --model comes later (or never: the default alias)
-        if ref is not None and (rev or gguf_file):
-            ns.model = str(HubRef(ref.repo, rev or ref.revision, gguf_file or ref.gguf_file))
-        else:
-            ns.model = base
-
-
-MODEL_ACTION = _ModelPart
-"""The argparse action of --model (it composes with --revision / --gguf-file)."""
-
-
-def add_hub_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--revision", default=None, action=_ModelPart,
-                   help="Hugging Face id only: branch, tag or commit of --model (same as ORG/NAME@REVISION)")
-    p.add_argument("--gguf-file", default=None, action=_ModelPart,
-                   help="Hugging Face id only: the .gguf file of the repo to load (same as ORG/NAME:FILE.gguf)")

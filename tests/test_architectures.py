@@ -21,6 +21,7 @@ from arch_helpers import make_hf_dir, reference_model, write_gguf
 
 from specdecode import LLM, SamplingParams
 from specdecode.model import native_kernels
+from specdecode.model.architectures import config_from_hf
 from specdecode.model.config import ModelConfig, UnsupportedModelError
 from specdecode.model.gguf_loader import config_from_gguf, config_from_gguf_file, open_gguf
 from specdecode.model.load import load_model, read_config
@@ -268,7 +269,7 @@ def test_llama3_rope_matches_transformers_frequencies() -> None:
     hf = LlamaConfig(hidden_size=512, num_attention_heads=4, rope_theta=500000.0,
                      rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 8192})
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
-    cfg = ModelConfig.from_hf_dict({**hf.to_dict(), "vocab_size": 10})
+    cfg = config_from_hf({**hf.to_dict(), "vocab_size": 10})
     assert cfg.rope_type == "llama3"
     assert torch.equal(inv_freq(cfg, "cpu"), want)
 
@@ -319,7 +320,7 @@ def _hf_dict(kind: str, **over: object) -> dict:
 @pytest.mark.parametrize("model_type", ["falcon", "gpt2", "mixtral", "gemma3_text", "phimoe", ""])
 def test_unsupported_hf_architecture_is_named(model_type: str) -> None:
     with pytest.raises(UnsupportedModelError, match=f"architecture '{model_type}'.*supported: .*llama.*gemma2"):
-        ModelConfig.from_hf_dict(_hf_dict("mistral", model_type=model_type))
+        config_from_hf(_hf_dict("mistral", model_type=model_type))
 
 
 @pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope", "su", "ntk"])
@@ -328,7 +329,7 @@ def test_unsupported_rope_scaling_is_named(rope_type: str) -> None:
     for d in (_hf_dict("llama3", rope_scaling=scaling, rope_parameters=None),
               _hf_dict("mistral", rope_parameters=scaling), _hf_dict("phi3", rope_scaling=scaling)):
         with pytest.raises(UnsupportedModelError, match=f"rope_scaling type '{rope_type}'"):
-            ModelConfig.from_hf_dict(d)
+            config_from_hf(d)
 
 
 @pytest.mark.parametrize(("kind", "over", "named"), [
@@ -346,7 +347,7 @@ def test_unsupported_rope_scaling_is_named(rope_type: str) -> None:
 ])
 def test_unsupported_option_is_named(kind: str, over: dict, named: str) -> None:
     with pytest.raises(UnsupportedModelError, match=named):
-        ModelConfig.from_hf_dict(_hf_dict(kind, **over))
+        config_from_hf(_hf_dict(kind, **over))
 
 
 def _tiny_gguf(path: Path, arch: str, extra_kv: dict | None = None, extra_tensors: tuple[str, ...] = ()) -> Path:
@@ -455,7 +456,7 @@ def test_native_stack_refuses_layers_it_does_not_compute(tmp_path: Path) -> None
     from specdecode.model import native_stack
 
     for kind in ("qwen3", "gemma2"):
-        cfg = ModelConfig.from_hf_dict(json.loads((make_hf_dir(tmp_path / kind, kind) / "config.json").read_text()))
+        cfg = config_from_hf(json.loads((make_hf_dir(tmp_path / kind, kind) / "config.json").read_text()))
         assert not cfg.plain_layers
         with torch.device("meta"):
             model = Transformer(cfg)

@@ -13,12 +13,12 @@ from specdecode.fetch import (
     KNOWN_MODELS,
     FetchError,
     ModelSpec,
-    UnknownModelError,
     fetch_model,
     models_home,
     resolve_model,
     verify_file,
 )
+from specdecode.hub import UnknownModelError
 
 ALIAS = "fake-model"
 N_PARTS = 11  # > 10 so a lexical sort (part1, part10, part11, part2, ...) would be caught

@@ -23,7 +23,7 @@ from tiny_helpers import GREEDY, tiny_prompts
 from specdecode import LLM
 from specdecode.engine import llm as llm_module
 from specdecode.model import gguf_linear, load, native_kernels
-from specdecode.model.config import ModelConfig
+from specdecode.model.architectures import config_from_hf
 from specdecode.model.gguf_linear import GGUFLinear
 from specdecode.model.gguf_model import load_native, weight_bytes
 from specdecode.model.tokenizer import Tokenizer
@@ -59,7 +59,7 @@ def write_gguf(hf_dir: Path, path: Path) -> Path:
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(ModelConfig.from_hf_dict(cfg).rope_theta)
+    w.add_rope_freq_base(config_from_hf(cfg).rope_theta)
 
     def put(name: str, arr: np.ndarray) -> None:
         kind = name.split(".")[-2]

@@ -10,8 +10,8 @@ import pytest
 from huggingface_hub import constants
 
 from specdecode import LLM, SamplingParams
-from specdecode.fetch import UnknownModelError, resolve_model
-from specdecode.hub import ModelNotCachedError, parse_hub_id, resolve_hub
+from specdecode.fetch import resolve_model
+from specdecode.hub import ModelNotCachedError, UnknownModelError, parse_hub_id, resolve_hub
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 SHA2 = "fedcba9876543210fedcba9876543210fedcba98"
@@ -115,10 +115,10 @@ def test_local_path_wins_over_hub_id(hub: Path, tiny_llama_dir: Path, tmp_path: 
 
 
 def test_cli_revision_and_gguf_file_compose_the_model_name() -> None:
-    from specdecode.cli import _add_model_args
+    from specdecode.cli_args import add_model_args
 
     p = argparse.ArgumentParser()
-    _add_model_args(p)
+    add_model_args(p)
     assert p.parse_args(["--model", "org/tiny"]).model == "org/tiny"
     assert p.parse_args(["--model", "org/tiny", "--revision", "v2"]).model == "org/tiny@v2"
     assert p.parse_args(["--gguf-file", "m.gguf", "--model", "org/r"]).model == "org/r:m.gguf"

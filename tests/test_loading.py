@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdecode.fetch import KNOWN_MODELS, UnknownModelError, resolve_model
+from specdecode.fetch import KNOWN_MODELS, resolve_model
+from specdecode.hub import UnknownModelError
 from specdecode.model import gguf_loader
 from specdecode.model import load as load_mod
+from specdecode.model.architectures import config_from_hf
 from specdecode.model.config import ModelConfig, UnsupportedModelError
 from specdecode.model.gguf_loader import CorruptModelError, config_from_gguf, config_from_gguf_file, open_gguf
 from specdecode.model.load import load_model, read_config
@@ -265,14 +267,14 @@ def test_hf_dir_with_unsupported_model_type(tmp_path: Path) -> None:
 )
 def test_hf_config_with_unsupported_rope_scaling(tiny_llama_dir: Path, key: str) -> None:
     hf = json.loads((tiny_llama_dir / "config.json").read_text())
-    assert ModelConfig.from_hf_dict(hf).rope_theta == 10000.0  # the default rope is accepted
+    assert config_from_hf(hf).rope_theta == 10000.0  # the default rope is accepted
     hf.pop("rope_scaling", None)
     hf[key] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 500000.0}
     with pytest.raises(UnsupportedModelError, match="yarn"):
-        ModelConfig.from_hf_dict(hf)
+        config_from_hf(hf)
     hf[key] = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}  # supported, but incomplete
     with pytest.raises(UnsupportedModelError, match="llama3 lacks 'low_freq_factor'"):
-        ModelConfig.from_hf_dict(hf)
+        config_from_hf(hf)
 
 
 def test_gguf_with_rope_scaling_is_unsupported(home: Path) -> None:

@@ -377,10 +377,10 @@ def test_heads_that_do_not_fit_the_target_are_refused(target, tmp_path: Path) ->
 def test_cli_head_shorthand_reads_the_kind_of_public_heads(tmp_path: Path) -> None:
     import argparse
 
-    from specdecode.cli import _add_model_args, speculative_config_from_args
+    from specdecode.cli_args import add_model_args, speculative_config_from_args
 
     p = argparse.ArgumentParser()
-    _add_model_args(p)
+    add_model_args(p)
     for path, kind in ((write_eagle1(tmp_path / "e1"), "eagle"), (write_eagle3(tmp_path / "e3", [0, 1, 2]), "eagle"),
                        (write_medusa(tmp_path / "m"), "medusa"), (write_medusa(tmp_path / "m2", prefix="medusa_head."),
                                                                   "medusa")):

@@ -106,7 +106,7 @@ def test_health_models_and_auth(draft_server: LiveServer) -> None:
 
 def test_serve_command_line() -> None:
     from specdecode.cli import build_parser
-    from specdecode.server.cli import _is_loopback
+    from specdecode.serve_cli import _is_loopback
 
     args = build_parser().parse_args(["serve", "--model", "m", "--method", "ngram", "--api-key", "k"])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.api_key == "k" and args.method == "ngram"

@@ -16,8 +16,10 @@ import sys
 import threading
 from typing import Any
 
+from specdecode.cli_args import cache_kwargs, speculative_config_from_args
 from specdecode.cluster.config import ClusterConfig
 from specdecode.cluster.routing import DEFAULT_PREFIX_CHARS
+from specdecode.server.serve_args import add_serve_subparser
 
 logger = logging.getLogger("specdecode.cluster")
 CLUSTER_FLAGS = ("replicas", "ray_address", "min_replicas", "max_replicas")
@@ -50,8 +52,6 @@ def wants_cluster(args: argparse.Namespace) -> bool:
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    from specdecode.cli import cache_kwargs, speculative_config_from_args
-
     return ClusterConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         speculative_config=speculative_config_from_args(args), quantization=args.quantization, seed=args.seed,
@@ -166,12 +166,10 @@ def run_cluster(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdecode.server.cli import add_serve_parser
-
     parser = argparse.ArgumentParser(prog="python -m specdecode.cluster",
                                      description="specdecode serve on Ray Serve (same flags as `specdecode serve`)")
     sub = parser.add_subparsers(dest="command")
-    add_serve_parser(sub)
+    add_cluster_args(add_serve_subparser(sub))
     return parser
 
 

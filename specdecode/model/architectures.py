@@ -13,12 +13,11 @@ import torch
 
 from specdecode.model.config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
 """llama.cpp's `general.architecture` names (its converter writes Mistral checkpoints as `llama`)."""
 
 _SUPPORTED_TEXT = (
-    "supported: Hugging Face model_type " + ", ".join(HF_MODEL_TYPES) + "; GGUF general.architecture "
+    "supported: Hugging Face model_type " + ", ".join(SUPPORTED_ARCHS) + "; GGUF general.architecture "
     + ", ".join(GGUF_ARCHS)
 )
 
@@ -63,10 +62,10 @@ def _check_false(cfg: dict, model_type: str, *keys: str) -> None:
             raise unsupported(f"{model_type} with {key}={cfg[key]!r}")
 
 
-def config_kwargs_from_hf(cfg: dict) -> dict:
-    """ModelConfig's fields from a Hugging Face `config.json` dict."""
+def config_from_hf(cfg: dict) -> ModelConfig:
+    """The ModelConfig of a Hugging Face `config.json` dict (refusing what is not computed exactly)."""
     model_type = cfg.get("model_type", "")
-    if model_type not in HF_MODEL_TYPES:
+    if model_type not in SUPPORTED_ARCHS:
         raise unsupported(f"architecture {model_type!r} ({cfg.get('architectures')})")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -124,7 +123,7 @@ def config_kwargs_from_hf(cfg: dict) -> dict:
         )
         if window is not None and sliding:
             out.update(sliding_window=int(window), sliding_layers=sliding)
-    return out
+    return ModelConfig(**out)
 
 
 def _opt_float(x: object) -> float | None:
@@ -280,12 +279,3 @@ def gguf_tensor_fixup(cfg: ModelConfig, hf_name: str, arr: np.ndarray) -> np.nda
     if cfg.gemma_norms and hf_name.endswith("norm.weight"):
         return arr.astype(np.float32) - np.float32(1.0)
     return arr
-
-
-def hf_model_type(cfg: ModelConfig) -> str:
-    """The Hugging Face model_type whose reference implementation computes what `cfg` does."""
-    if cfg.arch not in SUPPORTED_ARCHS:
-        raise unsupported(f"architecture {cfg.arch!r}")
-    if cfg.arch == "llama" and cfg.sliding_window is not None:
-        return "mistral"
-    return cfg.arch

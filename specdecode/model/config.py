@@ -1,14 +1,16 @@
 """Architecture hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2).
 
-Hugging Face `config.json` and GGUF metadata are mapped in `architectures.py`; anything this runtime does not
-compute exactly is refused there with `UnsupportedModelError`."""
+Hugging Face `config.json` and GGUF metadata are mapped onto it in `architectures.py`; anything this runtime does
+not compute exactly is refused there with `UnsupportedModelError`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+Arch = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"]
+"""The families this runtime computes, by their Hugging Face `model_type`."""
+SUPPORTED_ARCHS: tuple[str, ...] = get_args(Arch)
 
 
 class UnsupportedModelError(ValueError):
@@ -17,7 +19,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"]
+    arch: Arch
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -98,10 +100,3 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict) -> ModelConfig:
-        """Map a Hugging Face `config.json` dict (refusing what is not computed exactly)."""
-        from specdecode.model.architectures import config_kwargs_from_hf
-
-        return cls(**config_kwargs_from_hf(cfg))

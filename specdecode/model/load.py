@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from specdecode.fetch import models_home, resolve_model
 from specdecode.log import progress_bar, timed_step
-from specdecode.model.architectures import hf_state_dict
+from specdecode.model.architectures import config_from_hf, hf_state_dict
 from specdecode.model.config import ModelConfig, UnsupportedModelError
 from specdecode.model.gguf_loader import (
     CorruptModelError,
@@ -163,7 +163,7 @@ def _forget_cached(path: Path) -> None:
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer, ModelConfig]:
-    cfg = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
     files = sorted(path.glob("*.safetensors"))
     model = _build(cfg, _read_safetensors(files, dtype), device)
     return model, Tokenizer.from_dir(path), cfg
@@ -182,7 +182,7 @@ def load_model(
 def read_config(path: Path) -> ModelConfig:
     """The architecture of a resolved model path, without loading weights (for memory checks)."""
     if path.is_dir():
-        return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+        return config_from_hf(json.loads((path / "config.json").read_text()))
     conv = _converted_dir(path) / "specdecode_config.json"
     try:
         if conv.exists() and not _stale_conversion(path, conv):

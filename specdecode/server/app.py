@@ -11,39 +11,22 @@ request aborted, which frees its cache row before the next step.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
-import logging
-import secrets
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from specdecode.engine.core import Engine as BatchEngine
-from specdecode.engine.core import QueueFullError
 from specdecode.engine.llm import LLM
-from specdecode.engine.logprobs import TokenLogprob
-from specdecode.engine.sequence import Sequence
-from specdecode.sampling import SamplingParams
-from specdecode.server.async_engine import AsyncEngine, EngineDeadError, Update
-from specdecode.server.chat import chat_prompt_ids, chat_response
-from specdecode.server.choices import ChoiceGroup
-from specdecode.server.errors import APIError, error_body
-from specdecode.server.logprobs_format import TokenText, chat_logprobs, completion_logprobs
+from specdecode.server.engine_requests import prepare_chat, prepare_completion
+from specdecode.server.error_handlers import add_error_handlers
+from specdecode.server.errors import APIError
 from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdecode.server.middleware import MAX_BODY_BYTES, AuthMiddleware, BodyLimitMiddleware
 from specdecode.server.protocol import (
-    SEED_MAX,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -51,360 +34,20 @@ from specdecode.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    SpeculativeUsage,
 )
-from specdecode.server.structured import structured_params, warm_grammar_engine
+from specdecode.server.responses import chat_response, collect, completion_response
+from specdecode.server.state import ServerState
+from specdecode.server.streaming import SSEResponse, chat_events, completion_events
 from specdecode.server.tokenize_routes import tokenizer_router
-from specdecode.server.tool_stream import ToolDeltas
-from specdecode.server.tools import ToolPlan, tool_grammar, tool_plan
-
-logger = logging.getLogger("specdecode.server")
+from specdecode.server.tools import tool_plan
 
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request gives none: the remaining context, capped here (vLLM takes the whole remaining
 context, which on an 8k context makes one forgotten field cost minutes of compute)."""
-RETRY_AFTER_S = 1
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
-_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens",
-                    "logit_bias", "logprobs"}
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
-
-
-def error_response(metrics: ServerMetrics, status: int, message: str, param: str | None = None,
-                   code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    metrics.request_errors.labels(code=str(status)).inc()
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
-
-
-class _SSEResponse(StreamingResponse):
-    """A streaming response that aborts its request's choices however the stream ends (done, disconnect, cancel)."""
-
-    def __init__(self, content: AsyncIterator[str], stream: ChoiceGroup) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._stream.close()
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _check_text(text: str, param: str) -> None:
-    """Refuse strings that are not valid Unicode (JSON "\\ud800" escapes decode to lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, f"{param} is not valid Unicode (a lone surrogate escape)", param) from None
-
-
-def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
-    """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content' (union tags dropped)."""
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
-            out += f".{part}" if out else part
-        else:
-            break
-    return out or None
-
-
-# ---- the app -------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Collected:
-    """One choice of a non-streamed answer."""
-
-    text: str
-    final: Update
-    logprobs: list[TokenLogprob]
-
-
-class _Server:
-    """State of one app: the model, the engine thread, metrics, and the request handling."""
-
-    def __init__(self, llm: LLM, engine: BatchEngine, served_model_name: str, aliases: set[str],
-                 default_max_tokens: int, metrics: ServerMetrics) -> None:
-        self.llm = llm
-        self.metrics = metrics
-        self.engine = AsyncEngine(engine, metrics)
-        self.model_name = served_model_name
-        self.accepted_names = {served_model_name, *aliases}
-        self.default_max_tokens = default_max_tokens
-        self.vocab_size = llm.target.config.vocab_size
-        self.created = int(time.time())
-        self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdecode-tokenize")
-        self.tokenize_pool.submit(warm_grammar_engine, llm.tokenizer, self.vocab_size)  # off the event loop
-        self.token_text = TokenText(llm.tokenizer)
-
-    # ---- request preparation --------------------------------------------------------------------------
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.accepted_names:
-            raise APIError(400, f"model {model!r} is not served here; this server serves "
-                                f"{self.model_name!r} (GET /v1/models)", "model", "model_not_found")
-
-    def _check_common(self, body: ChatCompletionRequest | CompletionRequest) -> None:
-        self.check_model(body.model)
-        if body.stream_options is not None and not body.stream:
-            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
-
-    async def run_tokenizer(self, fn: Callable[[], list[int]]) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn)
-
-    def _sequences(self, body: ChatCompletionRequest | CompletionRequest, ids: list[int], prompt_field: str,
-                   max_tokens: int | None, logprobs: int | None, plan: ToolPlan | None = None) -> list[Sequence]:
-        """The request's `n` sequences: one prompt, one prefill group, choice i seeded with seed + i (each
-        choice compiles its own grammar matcher under structured outputs or a tool grammar)."""
-        if any(t >= self.vocab_size for t in ids):
-            raise APIError(400, f"token ids must be < the vocabulary size {self.vocab_size}", prompt_field)
-        room = self.llm.max_model_len - len(ids)
-        if room < 1:
-            raise APIError(400, f"the prompt ({len(ids)} tokens) fills the context length {self.llm.max_model_len}: "
-                                "no room for output", prompt_field, "context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = min(self.default_max_tokens, room)
-        elif max_tokens > room:
-            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length "
-                                f"{self.llm.max_model_len}", "max_tokens", "context_length_exceeded")
-        given = {
-            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
-            "repetition_penalty": body.repetition_penalty, "presence_penalty": body.presence_penalty,
-            "frequency_penalty": body.frequency_penalty, "seed": body.seed,
-        }
-        kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
-        stop = body.stop
-        kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        for s in kwargs["stop"]:
-            _check_text(s, "stop")
-        kwargs["stop_token_ids"] = tuple(body.stop_token_ids or ())
-        kwargs["ignore_eos"] = bool(body.ignore_eos)
-        kwargs["structured_outputs"] = structured_params(body, tool_grammar(plan) if plan is not None else None)
-        kwargs["logprobs"] = logprobs
-        kwargs["min_tokens"] = body.min_tokens or 0
-        kwargs["logit_bias"] = self._logit_bias(body.logit_bias)
-        n = body.n or 1
-        if n > 1:  # distinct choices, reproducible with a seed
-            base = body.seed if body.seed is not None else secrets.randbits(62)
-            seeds = [base + i if base + i <= SEED_MAX else base - i for i in range(n)]
-        try:
-            params = SamplingParams(max_tokens=max_tokens, **kwargs)
-            if n == 1:
-                return [self.llm.new_sequence(ids, params)]
-            group = object()
-            seqs = [self.llm.new_sequence(ids, dataclasses.replace(params, seed=seed)) for seed in seeds]
-            for seq in seqs:
-                seq.prefill_group = group
-            return seqs
-        except ValueError as exc:
-            word = str(exc).split(" ", 1)[0]
-            raise APIError(400, str(exc), word if word in _SAMPLING_FIELDS else prompt_field) from None
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
-        out = {}
-        for key, value in (bias or {}).items():
-            if not (key.isascii() and key.isdigit()) or int(key) >= self.vocab_size:
-                raise APIError(400, f"logit_bias keys must be token ids below the vocabulary size {self.vocab_size}, "
-                                    f"got {key!r}", "logit_bias")
-            out[int(key)] = float(value)
-        return out
-
-    async def _submit(self, body: ChatCompletionRequest | CompletionRequest, seqs: list[Sequence]) -> ChoiceGroup:
-        spec = body.speculative
-        k = spec.num_speculative_tokens if spec is not None else None
-        k_override = k if isinstance(k, int) else None
-        queue = self.engine.engine.max_waiting
-        if queue is not None and len(seqs) > queue:  # could never be queued: a 429 would be retried forever
-            raise APIError(400, f"n ({len(seqs)}) exceeds the requests this server queues at once ({queue})", "n")
-        try:
-            return ChoiceGroup(await self.engine.add_group(seqs, k_override))
-        except QueueFullError as exc:
-            raise APIError(429, f"the server is busy ({exc}); retry later", None, "rate_limit_exceeded",
-                           {"Retry-After": str(RETRY_AFTER_S)}) from None
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), None, "engine_unavailable",
-                           {"Retry-After": str(RETRY_AFTER_S)}) from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), "max_tokens", "context_length_exceeded") from None
-
-    async def prepare_completion(self, body: CompletionRequest) -> ChoiceGroup:
-        self._check_common(body)
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if body.suffix:
-            raise APIError(400, "suffix is not supported", "suffix")
-        if body.best_of not in (None, body.n or 1):
-            raise APIError(400, "best_of other than n is not supported (no choices are generated to be dropped)",
-                           "best_of")
-        prompt: Any = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a list holding one prompt
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "prompt is empty", "prompt")
-            _check_text(prompt, "prompt")
-            text = prompt
-            try:
-                ids = await self.run_tokenizer(lambda: self.llm.tokenizer.encode(text))
-            except Exception as exc:
-                raise APIError(400, f"cannot tokenize the prompt: {exc}", "prompt") from None
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise APIError(400, "prompt is empty", "prompt")
-        seqs = self._sequences(body, ids, "prompt", body.max_tokens, body.logprobs)
-        return await self._submit(body, seqs)
-
-    async def prepare_chat(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> ChoiceGroup:
-        self._check_common(body)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        ids = await chat_prompt_ids(self, body, plan)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await self._submit(body, self._sequences(body, ids, "messages", max_tokens, logprobs, plan))
-
-    # ---- responses ----------------------------------------------------------------------------------
-
-    def logprobs_formatter(self, kind: str) -> Callable[[int, list[TokenLogprob]], dict[str, Any]]:
-        """(choice index, new tokens' logprobs) -> the choice's logprobs object: chat's or completions' (whose
-        text offsets run on across a choice's chunks)."""
-        if kind == "chat":
-            return lambda i, entries: chat_logprobs(entries, self.token_text)
-        offsets: dict[int, int] = {}
-
-        def completion(i: int, entries: list[TokenLogprob]) -> dict[str, Any]:
-            out = completion_logprobs(entries, self.token_text, offsets.get(i, 0))
-            offsets[i] = offsets.get(i, 0) + sum(len(t) for t in out["tokens"])
-            return out
-
-        return completion
-
-    async def collect(self, group: ChoiceGroup, request: Request) -> list[Collected]:
-        """Wait for every choice's whole answer; abort them all if the client disconnects meanwhile."""
-
-        async def gather() -> list[Collected]:
-            parts: list[list[str]] = [[] for _ in group.streams]
-            logprobs: list[list[TokenLogprob]] = [[] for _ in group.streams]
-            finals: list[Update | None] = [None] * len(group.streams)
-            async for i, update in group.updates():
-                parts[i].append(update.text)
-                logprobs[i] += update.logprobs or []
-                if update.finished or update.error is not None:
-                    finals[i] = update
-            if any(f is None for f in finals):  # pragma: no cover
-                raise RuntimeError("stream ended without a final update")
-            return [Collected("".join(p), f, lp) for p, f, lp in zip(parts, finals, logprobs, strict=True)
-                    if f is not None]
-
-        async def disconnected() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.25)
-
-        gatherer = asyncio.ensure_future(gather())
-        watcher = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({gatherer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not gatherer.done():
-                raise APIError(499, "client disconnected")
-            choices = gatherer.result()
-            for c in choices:
-                if c.final.error is not None:
-                    raise APIError(500, c.final.error, None, "engine_error")
-            return choices
-        finally:
-            for task in (gatherer, watcher):
-                task.cancel()
-            group.close()
-
-    def chat_events(self, group: ChoiceGroup, rid: str, include_usage: bool, plan: ToolPlan | None
-                    ) -> AsyncIterator[str]:
-        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
-        # Chat streams open with the role, send text as deltas, and finish with an empty delta.
-        return self._events(group, base, include_usage, lambda text: {"delta": {} if text is None else
-                                                                      {"content": text}},
-                            opening={"delta": {"role": "assistant", "content": ""}}, final_carries_text=False,
-                            logprobs=self.logprobs_formatter("chat"),
-                            tools=None if plan is None else [ToolDeltas(plan.fmt) for _ in group.streams])
-
-    def completion_events(self, group: ChoiceGroup, rid: str, include_usage: bool) -> AsyncIterator[str]:
-        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
-        # Completion streams carry the last piece of text in the chunk that finishes.
-        return self._events(group, base, include_usage, lambda text: {"text": text or ""},
-                            opening=None, final_carries_text=True, logprobs=self.logprobs_formatter("completion"))
-
-    def _events(
-        self,
-        group: ChoiceGroup,
-        base: dict[str, Any],
-        include_usage: bool,
-        payload: Callable[[str | None], dict[str, Any]],
-        opening: dict[str, Any] | None,
-        final_carries_text: bool,
-        logprobs: Callable[[int, list[TokenLogprob]], dict[str, Any]],
-        tools: list[ToolDeltas] | None = None,
-    ) -> AsyncIterator[str]:
-        """SSE events of one streamed request, shared by chat and completions (they differ only in how a
-        choice holds text); each choice's chunks carry its index, a choice's next chunk the logprobs of its
-        tokens not yet sent. With tools, each choice's text goes through its own tool-call parser."""
-
-        def chunk(i: int, fields: dict[str, Any], finish: str | None = None, lp: Any = None, **extra: Any) -> str:
-            obj = {**base, "choices": [{"index": i, **fields, "logprobs": lp, "finish_reason": finish}]}
-            if include_usage:
-                obj["usage"] = None
-            return _sse({**obj, **extra})
-
-        held: list[list[TokenLogprob] | None] = [None] * len(group.streams)  # logprobs of text not yet sent
-
-        def take(i: int) -> dict[str, Any] | None:
-            entries, held[i] = held[i], None
-            return None if entries is None else logprobs(i, entries)
-
-        def pieces(i: int, update: Update) -> list[dict[str, Any]]:
-            if tools is not None:  # a call's text is held back until the call is whole
-                return [{"delta": d} for d in tools[i].feed(update.text, update.finished)]
-            if not update.text or (update.finished and final_carries_text):
-                return []
-            return [payload(update.text)]
-
-        async def events() -> AsyncIterator[str]:
-            if opening is not None:
-                for i in range(len(group.streams)):
-                    yield chunk(i, opening)
-            finals: list[Update] = []
-            async for i, update in group.updates():
-                if update.error is not None:
-                    self.metrics.request_errors.labels(code="500").inc()
-                    yield _sse(error_body(500, update.error, None, "engine_error"))
-                    break
-                if update.logprobs is not None:
-                    held[i] = (held[i] or []) + update.logprobs
-                for fields in pieces(i, update):
-                    yield chunk(i, fields, lp=take(i))
-                if update.finished:
-                    finals.append(update)
-                    spec = SpeculativeUsage.from_stats(update.stats)
-                    finish = update.finish_reason if tools is None else tools[i].finish_reason(update.finish_reason)
-                    yield chunk(i, payload(update.text if final_carries_text else None), finish, take(i),
-                                speculative=spec.model_dump() if spec else None)
-            else:
-                if include_usage:
-                    yield _sse({**base, "choices": [], "usage": group.usage(finals)})
-            yield "data: [DONE]\n\n"
-
-        return events()
 
 
 def build_app(
@@ -436,70 +79,30 @@ def build_app(
     name = served_model_name or llm.target.name
     metrics = ServerMetrics()
     aliases = {*model_aliases, llm.target.name, str(llm.target.path)}
-    server = _Server(llm, engine, name, aliases, default_max_tokens, metrics)
+    state = ServerState(llm, engine, name, aliases, default_max_tokens, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.engine.start()
+        state.engine.start()
         try:
             yield
         finally:
-            server.engine.stop()
-            server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            state.engine.stop()
+            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specdecode", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over a speculative-decoding engine.")
-    app.state.server = server
-    app.state.engine = server.engine
+    app.state.server = state
+    app.state.engine = state.engine
     app.state.metrics = metrics
 
-    # ---- errors: always OpenAI-shaped, never an HTML page or a bare 500 ----------------------------------
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(metrics, exc.status, exc.message, exc.param, exc.code, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            detail = next(e for e in errors if e.get("type") == "json_invalid")
-            ctx = detail.get("ctx") or {}
-            return error_response(metrics, 400, f"the body is not valid JSON: {ctx.get('error', detail['msg'])}",
-                                  None, "invalid_json")
-        unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
-        if unknown:
-            names = [_param_from_loc(tuple(e.get("loc", ()))) or "body" for e in unknown]
-            return error_response(metrics, 400, f"Unrecognized request argument supplied: {', '.join(names)}",
-                                  names[0], "unrecognized_argument")
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        param = _param_from_loc(tuple(first.get("loc", ())))
-        if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
-            message = "the body must be a JSON object"
-        elif param is None and first.get("type") == "missing":
-            message = "the body is missing"
-        else:
-            message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
-        extra = {_param_from_loc(tuple(e.get("loc", ()))) for e in errors[1:]} - {param}
-        if extra:
-            message += f" (also invalid: {', '.join(sorted(p or 'body' for p in extra))})"
-        return error_response(metrics, 400, message, param, "invalid_value")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(metrics, exc.status_code, str(exc.detail), None, None,
-                              dict(exc.headers) if exc.headers else None)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error on %s", request.url.path)
-        return error_response(metrics, 500, f"internal error: {type(exc).__name__}", None, "internal_error")
+    add_error_handlers(app, metrics)
 
     # ---- endpoints ---------------------------------------------------------------------------------------
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not server.engine.alive:
+        if not state.engine.alive:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -509,43 +112,37 @@ def build_app(
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=server.model_name, created=server.created,
+        return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
                                          max_model_len=llm.max_model_len)])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
     async def model_card(model_id: str) -> ModelCard:
-        if model_id not in server.accepted_names:
+        if model_id not in state.accepted_names:
             raise APIError(404, f"model {model_id!r} is not served here", "model", "model_not_found")
-        return ModelCard(id=server.model_name, created=server.created, max_model_len=llm.max_model_len)
+        return ModelCard(id=state.model_name, created=state.created, max_model_len=llm.max_model_len)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        stream = await server.prepare_completion(body)
+        stream = await prepare_completion(state, body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return _SSEResponse(server.completion_events(stream, rid, include), stream)
-        choices = await server.collect(stream, request)
-        fmt = server.logprobs_formatter("completion")
-        return JSONResponse({
-            "id": rid, "object": "text_completion", "created": int(time.time()), "model": server.model_name,
-            "choices": [{"index": i, "text": c.text, "logprobs": fmt(i, c.logprobs) if body.logprobs is not None
-                         else None, "finish_reason": c.final.finish_reason} for i, c in enumerate(choices)],
-            "usage": stream.usage([c.final for c in choices]),
-        })
+            return SSEResponse(completion_events(state, stream, rid, include), stream)
+        choices = await collect(stream, request)
+        return JSONResponse(completion_response(state, rid, choices, stream, body.logprobs is not None))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        plan = tool_plan(body, server.llm.tokenizer.hf)
-        stream = await server.prepare_chat(body, plan)
+        plan = tool_plan(body, state.llm.tokenizer.hf)
+        stream = await prepare_chat(state, body, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return _SSEResponse(server.chat_events(stream, rid, include, plan), stream)
-        choices = await server.collect(stream, request)
-        return JSONResponse(chat_response(server, rid, choices, stream, plan, bool(body.logprobs)))
+            return SSEResponse(chat_events(state, stream, rid, include, plan), stream)
+        choices = await collect(stream, request)
+        return JSONResponse(chat_response(state, rid, choices, stream, plan, bool(body.logprobs)))
 
-    app.include_router(tokenizer_router(server))
+    app.include_router(tokenizer_router(state))
 
     # Outermost first: the auth check, then the body limit, then FastAPI.
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes, metrics=metrics)

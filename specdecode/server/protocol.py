@@ -281,16 +281,6 @@ class CompletionResponse(_Model):
     usage: Usage
 
 
-class CompletionStreamResponse(_Model):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    speculative: SpeculativeUsage | None = None
-
-
 class ToolCallOut(_Model):
     id: str
     type: Literal["function"] = "function"
@@ -317,30 +307,6 @@ class ChatCompletionResponse(_Model):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-
-
-class DeltaMessage(_Model):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = Field(
-        None, description="OpenAI's streamed calls: {index, id, type, function: {name, arguments}} pieces")
-
-
-class ChatStreamChoice(_Model):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
-
-
-class ChatCompletionStreamResponse(_Model):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-    speculative: SpeculativeUsage | None = None
 
 
 class ModelCard(_Model):

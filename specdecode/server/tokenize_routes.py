@@ -23,7 +23,7 @@ from specdecode.server.protocol import (
 
 
 def tokenizer_router(server: Any) -> APIRouter:
-    """Routes over `server` (the app's `_Server`: model check, tokenizer thread, the LLM)."""
+    """Routes over `server` (the app's `ServerState`: model check, tokenizer thread, the LLM)."""
     router = APIRouter()
     tokenizer = server.llm.tokenizer
 

@@ -1,4 +1,5 @@
-"""`specdecode serve ...`: the OpenAI-compatible server.
+"""`specdecode serve ...`: the OpenAI-compatible server (on Ray Serve with `--replicas` and the other cluster
+flags).
 
 Example::
 
@@ -10,41 +11,17 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import os
 import sys
 
-from specdecode.cli import _add_model_args, add_cache_args, cache_kwargs, speculative_config_from_args
+from specdecode.cli_args import cache_kwargs, speculative_config_from_args
+from specdecode.cluster import cli as cluster_cli
 from specdecode.extras import missing_extra
+from specdecode.server.serve_args import add_serve_subparser
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser(
-        "serve", help="serve the OpenAI-compatible API (completions, chat completions, /metrics)",
-        description="OpenAI-compatible HTTP server with continuous batching and speculative decoding. Binds "
-                    "loopback by default; with --api-key every endpoint but /health needs "
-                    "'Authorization: Bearer KEY'.",
-    )
-    _add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    s.add_argument("--max-num-seqs", type=int, default=8, help="running batch size (default: %(default)s)")
-    add_cache_args(s)
-    s.add_argument("--max-waiting", type=int, default=64,
-                   help="requests that may wait for a free row; beyond it, 429 (default: %(default)s)")
-    s.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $SPECDECODE_API_KEY, else none)")
-    s.add_argument("--served-model-name", default=None,
-                   help="model id for clients and /v1/models (default: the --model value)")
-    s.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens of a request that gives none: min(this, remaining context) "
-                        "(default: %(default)s)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="larger request bodies get a 413 (default: %(default)s)")
-    s.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    from specdecode.cluster.cli import add_cluster_args
-
-    add_cluster_args(s)
+    s = add_serve_subparser(sub)
+    cluster_cli.add_cluster_args(s)
     s.set_defaults(func=run_serve_command)
 
 
@@ -64,10 +41,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    from specdecode.cluster.cli import run_cluster, wants_cluster
-
-    if wants_cluster(args):  # --replicas, --ray-address, --min/max-replicas: Ray Serve
-        return run_cluster(args)
+    if cluster_cli.wants_cluster(args):  # --replicas, --ray-address, --min/max-replicas: Ray Serve
+        return cluster_cli.run_cluster(args)
     try:
         import uvicorn
 

@@ -1,0 +1,38 @@
+"""The `serve` subcommand's flags, shared by `specdecode serve` and `python -m specdecode.cluster` (the same
+server on Ray Serve); each adds the cluster's own flags after these."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from specdecode.cli_args import add_cache_args, add_model_args
+
+
+def add_serve_subparser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The `serve` subcommand with the server's flags (the caller adds the cluster's and sets what runs it)."""
+    s = sub.add_parser(
+        "serve", help="serve the OpenAI-compatible API (completions, chat completions, /metrics)",
+        description="OpenAI-compatible HTTP server with continuous batching and speculative decoding. Binds "
+                    "loopback by default; with --api-key every endpoint but /health needs "
+                    "'Authorization: Bearer KEY'.",
+    )
+    add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="running batch size (default: %(default)s)")
+    add_cache_args(s)
+    s.add_argument("--max-waiting", type=int, default=64,
+                   help="requests that may wait for a free row; beyond it, 429 (default: %(default)s)")
+    s.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $SPECDECODE_API_KEY, else none)")
+    s.add_argument("--served-model-name", default=None,
+                   help="model id for clients and /v1/models (default: the --model value)")
+    s.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of a request that gives none: min(this, remaining context) "
+                        "(default: %(default)s)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="larger request bodies get a 413 (default: %(default)s)")
+    s.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return s
