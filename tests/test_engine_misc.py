@@ -496,22 +496,22 @@ def test_a_probe_that_needs_a_catch_up_is_capped_like_any_k() -> None:
     """A free probe (n-gram, a head) always runs; a probe whose draft model must first catch up on the context runs
     only where the batch's cost model says it pays."""
     from specdecode.engine.adaptive import AdaptiveK
-    from specdecode.engine.schedule import RowWant, choose_lengths
+    from specdecode.engine.schedule import PreferredDraft, choose_lengths
 
     cost = CostModel.from_points({1: 0.1, 16: 0.1}, 16)
     probing = AdaptiveK(cost)
     probing.tracker.update(4, 0)  # a drafter that keeps missing
     probing._probing = True  # noqa: SLF001 - the state next_k leaves after a run of k = 0
     plain = AdaptiveK(fixed_k=0)
-    assert choose_lengths([RowWant(1, probing), RowWant(0, plain)], cost, 1, 4).ks == [1, 0]
-    assert choose_lengths([RowWant(1, probing, 2.0), RowWant(0, plain)], cost, 1, 4).ks == [0, 0]
+    assert choose_lengths([PreferredDraft(1, probing), PreferredDraft(0, plain)], cost, 1, 4).ks == [1, 0]
+    assert choose_lengths([PreferredDraft(1, probing, 2.0), PreferredDraft(0, plain)], cost, 1, 4).ks == [0, 0]
 
 
 def test_a_probe_in_a_batch_is_capped_where_widening_the_forward_does_not_pay() -> None:
     """A lone row's probe runs whatever the cost (it keeps the row's estimate alive); in a batch the probe pads
     every row to two tokens, so it runs only where the batch's cost model says that pays."""
     from specdecode.engine.adaptive import AdaptiveK
-    from specdecode.engine.schedule import RowWant, choose_lengths
+    from specdecode.engine.schedule import PreferredDraft, choose_lengths
 
     cost = CostModel.from_points({1: 0.05, 8: 0.08, 16: 0.14}, 16)  # many rows: wider forwards cost more
 
@@ -521,9 +521,9 @@ def test_a_probe_in_a_batch_is_capped_where_widening_the_forward_does_not_pay() 
         policy._probing = True  # noqa: SLF001 - the state next_k leaves after a run of k = 0
         return policy
 
-    assert choose_lengths([RowWant(1, probing())], cost, 1, 4).ks == [1]
-    plain = [RowWant(0, AdaptiveK(fixed_k=0)) for _ in range(7)]
-    assert choose_lengths([RowWant(1, probing()), *plain], cost, 1, 4).ks == [0] * 8
+    assert choose_lengths([PreferredDraft(1, probing())], cost, 1, 4).ks == [1]
+    plain = [PreferredDraft(0, AdaptiveK(fixed_k=0)) for _ in range(7)]
+    assert choose_lengths([PreferredDraft(1, probing()), *plain], cost, 1, 4).ks == [0] * 8
 
 
 def test_a_guess_proposed_alone_is_priced_without_the_drafters_steps() -> None:
@@ -531,9 +531,9 @@ def test_a_guess_proposed_alone_is_priced_without_the_drafters_steps() -> None:
     as much as a target forward, they cost more than they bring, so the cap turns the row off; as a lookup guess
     proposed alone (no drafter forward, no catch-up) they pay, and the row keeps them."""
     from specdecode.engine.adaptive import AdaptiveK
-    from specdecode.engine.schedule import RowWant, choose_lengths
+    from specdecode.engine.schedule import PreferredDraft, choose_lengths
 
     cost = CostModel.from_points({1: 0.05, 16: 0.06}, 16, draft_step_seconds=0.05)
     assert AdaptiveK(cost).tracker.alpha(0) == 0.6
-    assert choose_lengths([RowWant(3, AdaptiveK(cost))], cost, 1, 4).ks == [0]
-    assert choose_lengths([RowWant(3, AdaptiveK(cost), guess_rate=0.6)], cost, 1, 4).ks == [3]
+    assert choose_lengths([PreferredDraft(3, AdaptiveK(cost))], cost, 1, 4).ks == [0]
+    assert choose_lengths([PreferredDraft(3, AdaptiveK(cost), guess_rate=0.6)], cost, 1, 4).ks == [3]

@@ -8,7 +8,9 @@ repeat across step boundaries) and compare the joint distribution of the first 3
 the exact one of the target chain under the same processing, by a chi-square test.
 
 Runs are advanced in lockstep so the draft and target computations are batched torch ops; only
-`verify_chain` is called per run, which is the function under test.
+`verify_chain` is called per run, which is the function under test: the reference chain verifier
+(tests/reference_verify.py), which the engine's tree verifier equals on a chain, uniform for uniform
+(tests/test_tree_verify.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+import reference_verify
 import torch
+from reference_verify import verify_chain
 from stat_helpers import block_output_counts, chain_logits, chi_square_pvalue, markov_joint
 
 from specdecode.sampling import (
@@ -26,8 +30,6 @@ from specdecode.sampling import (
     logits_to_probs,
     sample_from_probs,
 )
-from specdecode.verify import rejection
-from specdecode.verify.rejection import verify_chain
 
 VOCAB = 5
 PROMPT_TOKEN = 0
@@ -161,7 +163,7 @@ def test_chain_is_lossless(config: str, point_mass: bool, k: int) -> None:
 
 def test_negative_control_recovering_from_target_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sampling the recovered token from target_probs instead of the residual must be detected."""
-    monkeypatch.setattr(rejection, "_recovered_distribution", lambda target_row, draft_row, token: target_row)
+    monkeypatch.setattr(reference_verify, "_recovered_distribution", lambda target_row, draft_row, token: target_row)
     params = CONFIGS["temperature"]
     hist, accepted, proposed = simulate(params, point_mass=False, k=3, seed=7, draft_logits=FAR_DRAFT_LOGITS)
     assert 0 < accepted < proposed

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +13,9 @@ from tiny_helpers import GREEDY, record_rows, run_batched, tiny_prompts
 
 from specdecode import LLM, SamplingParams
 from specdecode.cost_model import CostModel
+from specdecode.engine.core import Engine
+from specdecode.engine.lookup_guess import RowGuess, guess_alone
+from specdecode.engine.running import Running
 from specdecode.proposers.ngram_match import ngram_match
 from specdecode.sampling import tree_output_counts
 from specdecode.tree import build_tree
@@ -21,6 +26,17 @@ TREES = [(2, 2, 3), (4, 2, 4), (3, 3, 6)]  # (width, branching, depth)
 def _spec(draft: str, width: int, branching: int, depth: int) -> dict:
     return {"method": "draft", "model": draft, "num_speculative_tokens": depth, "draft_tree_width": width,
             "draft_tree_branching": branching}
+
+
+def _alone(engine: Engine, row: Running, k: int, node_budget: int) -> list[int]:
+    """The guess the engine's schedule has the row propose alone at k (no catch-up to pay)."""
+    return guess_alone(row, RowGuess(row.seq.token_ids, engine.lookup), k, engine._allowed(row), node_budget, 0.0,
+                       engine.row_cost)
+
+
+def _lookup_oracle(guess: Callable[[list[int], int], list[int]]) -> Callable[..., SimpleNamespace]:
+    """A suffix match in place of prompt lookup's, whose continuation of k tokens is guess(token_ids, k)."""
+    return lambda token_ids, min_n, max_n: SimpleNamespace(continuation=lambda k: guess(token_ids, k))
 
 
 @pytest.mark.parametrize(("width", "branching", "depth"), TREES)
@@ -89,11 +105,11 @@ def test_tree_with_lookup_branch_equals_plain(plain_tiny, tiny_llama_dir: Path, 
     base, ref = plain_tiny
     prompts = tiny_prompts(base)
 
-    def oracle(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    def oracle(token_ids: list[int], k: int) -> list[int]:
         i = next(i for i, p in enumerate(prompts) if token_ids[: len(p)] == p)
         return ref[i][len(token_ids) - len(prompts[i]):][:k]
 
-    monkeypatch.setattr("specdecode.engine.core.ngram_match", oracle)
+    monkeypatch.setattr("specdecode.engine.lookup_guess.match_suffix", _lookup_oracle(oracle))
     for k in (4, "auto"):
         spec = {**_spec(str(tiny_llama_other_dir), 2, 2, 4), "num_speculative_tokens": k}
         llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
@@ -121,7 +137,8 @@ def test_tree_branching_defaults_per_method() -> None:
 
 
 def test_a_tree_row_proposes_its_lookup_guess_alone_where_that_pays(plain_tiny, tiny_llama_dir: Path,
-                                                                    tiny_llama_other_dir: Path) -> None:
+                                                                    tiny_llama_other_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A tree row whose prompt-lookup guess promises more tokens per second than its tree (here each draft level
     costs twice a target forward) proposes the guess alone: the drafter is not asked for that row, the guess
     is verified as a chain, and the output stays exact."""
@@ -132,20 +149,20 @@ def test_a_tree_row_proposes_its_lookup_guess_alone_where_that_pays(plain_tiny, 
     engine = llm.batch_engine(max_num_seqs=2)
     engine.cost = CostModel.from_points({1: 0.01, 64: 0.01}, 64, draft_step_seconds=0.02)
     asked, guessed = [], []
-    propose, solo_guess = engine.proposer.propose, engine._solo_guess
+    propose = engine.proposer.propose
 
     def proposing(asks: list) -> list:
         asked.append(len(asks))
         return propose(asks)
 
-    def guessing(r, k: int, node_budget: int, catch_up: float) -> list[int]:  # noqa: ANN001
-        solo = solo_guess(r, k, node_budget, catch_up)
+    def guessing(r: Running, guess: RowGuess, k: int, *args) -> list[int]:  # noqa: ANN002
+        alone = guess_alone(r, guess, k, *args)
         if k > 0:  # a row that drafts this step: its guess, or its drafter
-            guessed.append(bool(solo))
-        return solo
+            guessed.append(bool(alone))
+        return alone
 
     engine.proposer.propose = proposing  # type: ignore[method-assign]
-    engine._solo_guess = guessing  # type: ignore[method-assign]
+    monkeypatch.setattr("specdecode.engine.core.guess_alone", guessing)
     seqs = run_batched(llm, tiny_prompts(llm), GREEDY, engine=engine)
     assert [s.output_ids for s in seqs] == ref
     assert any(guessed) and not all(guessed)  # guesses where the text repeats, trees elsewhere
@@ -175,7 +192,7 @@ def test_a_row_whose_drafter_does_not_pay_proposes_its_lookup_guess_alone(plain_
     engine.step()
     assert engine.cost is not None and engine.cost.draft_step_seconds == 0
     row = engine.running[0]
-    assert ngram_match(row.seq.token_ids, 1, 5, 4) and engine._solo_guess(row, 4, 16, 0.0) == []
+    assert ngram_match(row.seq.token_ids, 1, 5, 4) and _alone(engine, row, 4, 16) == []
 
 
 def test_a_guess_proposed_alone_runs_on_past_the_tree_depth(tiny_llama_dir: Path, tiny_llama_other_dir: Path) -> None:
@@ -193,11 +210,11 @@ def test_a_guess_proposed_alone_runs_on_past_the_tree_depth(tiny_llama_dir: Path
     long, short = engine.running
     tokens = long.seq.token_ids
     assert ngram_match(tokens, 1, 5, 8)[:2] == ngram_match(tokens, 1, 5, 2)  # the copy goes on past depth 2
-    assert engine._solo_guess(long, 2, 16, 0.0) == ngram_match(tokens, 1, 5, 8)  # k_max
-    assert engine._solo_guess(long, 2, 5, 0.0) == ngram_match(tokens, 1, 5, 5)  # nodes
+    assert _alone(engine, long, 2, 16) == ngram_match(tokens, 1, 5, 8)  # k_max
+    assert _alone(engine, long, 2, 5) == ngram_match(tokens, 1, 5, 5)  # nodes
     # 3 tokens left after the first: a step verifies at most 2 drafts, and emits its own token after them.
     assert short.seq.token_ids == tokens
-    assert engine._solo_guess(short, 2, 16, 0.0) == ngram_match(tokens, 1, 5, 2)
+    assert _alone(engine, short, 2, 16) == ngram_match(tokens, 1, 5, 2)
 
 
 def test_rejected_guesses_lower_the_rows_guess_rate_until_it_stops_guessing(
@@ -210,25 +227,24 @@ def test_rejected_guesses_lower_the_rows_guess_rate_until_it_stops_guessing(
     prompts = tiny_prompts(base)
     vocab = base.target.config.vocab_size
 
-    def wrong(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    def wrong(token_ids: list[int], k: int) -> list[int]:
         i = next(i for i, p in enumerate(prompts) if token_ids[: len(p)] == p)
         return [(t + 1) % vocab for t in ref[i][len(token_ids) - len(prompts[i]):][:k]]
 
-    monkeypatch.setattr("specdecode.engine.core.ngram_match", wrong)
+    monkeypatch.setattr("specdecode.engine.lookup_guess.match_suffix", _lookup_oracle(wrong))
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": "draft", "model": str(tiny_llama_other_dir)})
     engine = llm.batch_engine(max_num_seqs=1)
     # A wider forward costs more here, so a guess pays only while it is likely to be kept.
     engine.cost = CostModel.from_points({1: 0.010, 9: 0.030}, 9, draft_step_seconds=0.01)
     guessed = []
-    solo_guess = engine._solo_guess
 
-    def guessing(r, k: int, node_budget: int, catch_up: float) -> list[int]:  # noqa: ANN001
-        solo = solo_guess(r, k, node_budget, catch_up)
-        guessed.append(bool(solo))
-        return solo
+    def guessing(*args) -> list[int]:  # noqa: ANN002
+        alone = guess_alone(*args)
+        guessed.append(bool(alone))
+        return alone
 
-    engine._solo_guess = guessing  # type: ignore[method-assign]
+    monkeypatch.setattr("specdecode.engine.core.guess_alone", guessing)
     seqs = run_batched(llm, prompts[:1], GREEDY, engine=engine)
     assert seqs[0].output_ids == ref[0]
     # Guesses first; then, the rate fallen, only the odd one where it still beats a probe of the drafter.

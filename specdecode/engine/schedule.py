@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from specdecode.cost_model import CostModel, tree_node_budget
 from specdecode.engine.adaptive import AdaptiveK
-from specdecode.proposers.lookup_choice import expected_tokens
+from specdecode.engine.lookup_guess import RowGuess, expected_tokens
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, priced_nodes
 from specdecode.tree import MAX_TREE_NODES
 
@@ -25,8 +25,8 @@ rest of the request, up to about a chat answer's length (max_tokens is only a bo
 
 
 @dataclass
-class RowWant:
-    """What one row would draft alone, and what its drafting costs the batch."""
+class PreferredDraft:
+    """The draft length one row would choose alone, and what its drafting costs the batch."""
 
     k: int
     policy: AdaptiveK | None
@@ -58,8 +58,8 @@ class Lengths:
     """Draft length (tree depth) per row."""
     node_budget: int
     """Tree nodes each tree row may verify."""
-    solos: list[list[int]] = field(default_factory=list)
-    """Per row: the prompt-lookup guess it proposes alone, cut to its k ([]: its drafter drafts, if k > 0)."""
+    guesses: list[RowGuess] = field(default_factory=list)
+    """Per row: its prompt-lookup guess this step, and the part it proposes alone (cut to its k)."""
 
 
 def catch_up_share(tokens: int, token_seconds: float, tokens_left: int, tokens_per_step: float, dip: bool) -> float:
@@ -81,29 +81,29 @@ def node_budget(cost: CostModel | None, k_max: int, rows: int) -> int:
     return min(MAX_TREE_NODES, tree_node_budget(cost, k_max, rows))
 
 
-def choose_lengths(wants: list[RowWant], cost: CostModel | None, tree_width: int, k_max: int) -> Lengths:
+def choose_lengths(preferred: list[PreferredDraft], cost: CostModel | None, tree_width: int, k_max: int) -> Lengths:
     """Every row's k and the per-row node budget, maximising the batch's expected tokens per second."""
-    ks = [w.k for w in wants]
-    budget = node_budget(cost, k_max, len(wants))
+    ks = [w.k for w in preferred]
+    budget = node_budget(cost, k_max, len(preferred))
     if cost is None or not any(ks):
         return Lengths(ks, budget)
 
-    def nodes(w: RowWant, k: int) -> int:
+    def nodes(w: PreferredDraft, k: int) -> int:
         return priced_nodes(tree_width, budget, k) if tree_width != 1 and w.guess_rate is None else k
 
-    free = [not w.capped(len(wants)) for w in wants]
+    free = [not w.capped(len(preferred)) for w in preferred]
     best_cap, best_rate = 0, -1.0
     for cap in range(max(ks) + 1):
-        capped = [w.k if f else min(w.k, cap) for w, f in zip(wants, free, strict=True)]
-        pairs = list(zip(wants, capped, strict=True))
+        capped = [w.k if f else min(w.k, cap) for w, f in zip(preferred, free, strict=True)]
+        pairs = list(zip(preferred, capped, strict=True))
         tokens = sum(w.expected_tokens(k) for w, k in pairs)
-        seconds = cost.target_forward_seconds(len(wants) * (max(nodes(w, k) for w, k in pairs) + 1))
+        seconds = cost.target_forward_seconds(len(preferred) * (max(nodes(w, k) for w, k in pairs) + 1))
         seconds += sum(k for w, k in pairs if w.guess_rate is None) * cost.draft_step_seconds
         seconds += sum(w.catch_up_seconds for w, k in pairs if k > 0)
         rate = tokens / seconds
         if rate > best_rate * (1 + 1e-9):
             best_cap, best_rate = cap, rate
-    return Lengths([w.k if f else min(w.k, best_cap) for w, f in zip(wants, free, strict=True)], budget)
+    return Lengths([w.k if f else min(w.k, best_cap) for w, f in zip(preferred, free, strict=True)], budget)
 
 
 def row_cost(cost: CostModel, tree_width: int, k_max: int) -> CostModel:

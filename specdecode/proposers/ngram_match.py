@@ -1,14 +1,46 @@
-"""Prompt lookup (n-gram matching): the pure algorithm behind the n-gram proposer.
+"""Prompt lookup (n-gram matching): the pure algorithm behind the n-gram proposer and the engine's lookup guess.
 
-The proposer object wraps these functions; they take a token array and return plain
-Python ints, so they are tested with literal arrays (docs/design.md).
+They take a token array and return plain Python ints, so they are tested with literal arrays (docs/design.md).
+`match_suffix` finds where the suffix occurred before, once; `SuffixMatch.continuation` reads the guess of any
+length from that, so a caller asking for several lengths in one step matches only once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
+
+_NO_ENDS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class SuffixMatch:
+    """The earlier occurrences of a sequence's suffix: its longest n-gram (min_n <= n <= max_n) that occurred
+    before, as the ascending end positions of those occurrences (none: no n-gram did)."""
+
+    tokens: np.ndarray
+    """[L] the sequence matched."""
+    ends: np.ndarray
+    """Ascending end positions of the winning n-gram's earlier occurrences (empty: no match)."""
+
+    def continuation(self, k: int) -> list[int]:
+        """The up to k tokens that followed an occurrence, by `ngram_match`'s tie rule. The occurrence chosen
+        depends on k (the newest one with k tokens after it), so a longer continuation cut to k tokens may
+        differ from this one."""
+        if k <= 0 or self.ends.size == 0:
+            return []
+        length = int(self.tokens.shape[0])
+        full = self.ends[self.ends + 1 + k <= length]  # occurrences with k tokens after them
+        end = int(full[-1]) if full.size else int(self.ends[0])
+        return [int(t) for t in self.tokens[end + 1 : end + 1 + k]]
+
+
+def match_suffix(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int) -> SuffixMatch:
+    """Where the suffix of `tokens` occurred before (see `ngram_match`); the guess of each length is the
+    match's `continuation`."""
+    return _match(_checked(tokens, min_n, max_n), min_n, max_n)
 
 
 def ngram_match(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -36,15 +68,24 @@ def ngram_match(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k: i
     Cost: one vectorised pass of O(len(tokens) * max_n) comparisons, no Python loop over
     positions (measured ~0.03 ms for 4k tokens in an array and max_n = 4; ~0.2 ms from a list).
     """
+    arr = _checked(tokens, min_n, max_n)
+    return _match(arr, min_n, max_n).continuation(k) if k > 0 else []
+
+
+def _checked(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int) -> np.ndarray:
     if min_n < 1 or max_n < min_n:
         raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
+    return arr
+
+
+def _match(arr: np.ndarray, min_n: int, max_n: int) -> SuffixMatch:
     length = int(arr.shape[0])
     # An occurrence of an n-gram needs n tokens, and the suffix another token after it.
-    if k <= 0 or length < min_n + 1:
-        return []
+    if length < min_n + 1:
+        return SuffixMatch(arr, _NO_ENDS)
 
     # Work with occurrence *end* positions e in [0, length-2] (e = length-1 is the suffix
     # itself). match_len[e] = how many tokens, going backwards from e, agree with the
@@ -64,12 +105,8 @@ def ngram_match(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k: i
 
     best_n = int(match_len.max(initial=0))
     if best_n < min_n:
-        return []
-
-    ends = np.flatnonzero(match_len >= best_n)  # ascending end positions of the winning n-gram
-    full = ends[ends + 1 + k <= length]  # occurrences with k tokens after them
-    end = int(full[-1]) if full.size else int(ends[0])
-    return [int(t) for t in arr[end + 1 : end + 1 + k]]
+        return SuffixMatch(arr, _NO_ENDS)
+    return SuffixMatch(arr, np.flatnonzero(match_len >= best_n))  # ascending end positions of the winning n-gram
 
 
 def cap_draft_len(k: int, seq_len: int, max_context: int, tokens_left: int) -> int:

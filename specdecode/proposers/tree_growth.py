@@ -23,10 +23,9 @@ DEFAULT_NODE_BUDGET = 16
 
 MIN_DYNAMIC_WIDTH = 2
 """A dynamic tree grows at least this many nodes a level, even where the budget spread over the depth is one: the
-verified nodes are re-ranked from what was grown, and a chain leaves nothing to choose from. On 1,267 steps of
-the shipped EAGLE head over requests it had not seen, width 2 then best-n gave τ 2.05 and 9% more tokens per
-second than the chain (τ 1.81) on a 2-core CPU; width 4 gained less, its head levels cost more
-(benchmarks/tree_pool.py)."""
+nodes it verifies are chosen from what was grown (`select`), and a chain leaves nothing to choose from. Two, not
+more: a second candidate per level holds most of what alternatives add, and every node grown costs the drafter
+work at its level (BENCHMARKS.md, "Trees vs chains", measures both)."""
 
 
 def level_width(tree_width: int, node_budget: int, depth: int) -> int:
@@ -41,8 +40,8 @@ def priced_nodes(tree_width: int, node_budget: int, depth: int) -> int:
     """Nodes the cost model charges a tree of `depth` levels for. A chain verifies what it drafts; a tree is cut
     to the nodes worth their verification (`TreeValue`), which is about the node budget the target's forward
     affords (where its cost starts to climb), at least one path of `depth` nodes. Charging every grown node
-    made a width-2 tree of depth 5 (10 grown, ~5 verified) look dearer than it is, so the policy stopped at
-    depth 3 where deep guesses pay (Spec-Bench summarization τ 3.18 -> 2.72)."""
+    would price a width-2 tree of depth 5 (10 nodes grown, about 5 verified) at twice the forward it runs, and
+    the draft-length policy would stop short of the depths where long guesses pay."""
     grown = level_width(tree_width, node_budget, depth) * depth  # a chain grows `depth`: charged all of it
     return min(grown, max(depth, node_budget))
 
@@ -200,13 +199,3 @@ def graft_chain(tokens: list[int], parents: list[int], chain: list[int],
         node = nxt
     return tokens, parents
 
-
-def with_lookup_branch(draft: Draft, guess: list[int]) -> Draft:
-    """A tree draft plus the prompt-lookup guess as one more branch: verification checks both in the same
-    target forward (copied text is accepted through the guess, the rest through the drafter's tree). Chains
-    and drafts without a guess come back unchanged."""
-    if not guess or not draft.is_tree:
-        return draft
-    assert draft.parents is not None
-    tokens, parents = graft_chain(draft.tokens, draft.parents, guess)
-    return Draft(tokens, None, parents)  # the drafter's nodes keep their indices; the branch comes after

@@ -1,6 +1,6 @@
-"""Verification of draft tokens against the target: rejection sampling and the greedy fast paths."""
+"""Verification of draft trees against the target (a chain is a tree with one branch): rejection sampling and the
+greedy fast path."""
 
-from specdecode.verify.rejection import verify_chain, verify_greedy
 from specdecode.verify.tree import verify_tree, verify_tree_greedy
 
-__all__ = ["verify_chain", "verify_greedy", "verify_tree", "verify_tree_greedy"]
+__all__ = ["verify_tree", "verify_tree_greedy"]

@@ -8,8 +8,8 @@ row i of draft_probs is the distribution the draft sampled node i's children fro
 Both verifiers walk down from the root. At node v they try v's children in order; an accepted child
 becomes the next v; when no child is accepted (or v is a leaf) they emit one more token of the target's:
 the recovered token (some child was rejected) or the bonus token (v is a leaf). Output tokens =
-tokens of the accepted nodes + that token, so always >= 1. On a chain they equal `verify_chain` /
-`verify_greedy` uniform for uniform (tested).
+tokens of the accepted nodes + that token, so always >= 1. On a chain they are chain speculative sampling and
+its greedy fast path, uniform for uniform (tested against the chain verifiers of tests/reference_verify.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def _reject_residual(
 
     Stochastic: mass * max(residual / mass - draft_row, 0) = max(residual - mass * draft_row, 0).
     Point mass (draft_row None): the same with draft_row = one-hot(token), i.e. zero that token.
-    Kept unnormalised (sample_from_probs normalises) so that the first rejection computes exactly what
-    `verify_chain` does.
+    Kept unnormalised (sample_from_probs normalises) so that on a chain the first rejection computes exactly the
+    residual of chain speculative sampling.
     """
     if draft_row is None:
         out = residual.clone()
@@ -67,7 +67,7 @@ def verify_tree(
       accept iff u_c * q[x] < r[x] (r normalised), i.e. with probability min(1, r[x] / q[x]);
       r[x] == 0 always rejects, q[x] == 0 < r[x] always accepts, a point mass accepts w.p. r[x].
     - on rejection r <- normalise(max(r - q, 0)); for a point mass that zeroes r[x] and renormalises.
-      (If that leaves no mass, which only float error can cause, r is kept, as in `verify_chain`.)
+      (If that leaves no mass, which only float error can cause, r is kept.)
     - accepted child: emit its token, move to it, restart with r = target_probs[child];
       all children rejected, or v a leaf: emit a token sampled from r (for a leaf, target_probs[v]).
 
@@ -98,7 +98,7 @@ def verify_tree(
         raise ValueError(f"uniforms needs at least {n} entries (one per node), got shape {list(uniforms.shape)}")
 
     # Python scalars: the walk touches at most (sum of children on one path) nodes, and the comparisons
-    # in float64 on exact float32 values match verify_chain's.
+    # run in float64 on exact float32 values.
     token_list = tokens.tolist()
     u = uniforms[:n].tolist()
     accepted: list[int] = []

@@ -1,15 +1,13 @@
-"""Pure rules for choosing a prompt-lookup guess over the drafter."""
+"""The lookup-or-draft choice's pure parts: a guess's expected tokens and rate, when it beats the drafter, how
+long it runs, and matching a row's suffix once per step."""
 
 from __future__ import annotations
 
 import pytest
 
-from specdecode.proposers.lookup_choice import (
-    AcceptanceRate,
-    best_guess_len,
-    expected_tokens,
-    guess_beats,
-)
+from specdecode.engine.adaptive import AcceptanceTracker
+from specdecode.engine.lookup_guess import RowGuess, best_guess_len, expected_tokens, guess_beats
+from specdecode.proposers import ngram_match
 
 
 def test_expected_tokens() -> None:
@@ -18,16 +16,34 @@ def test_expected_tokens() -> None:
     assert expected_tokens(1.0, 4) == 5.0
 
 
-def test_acceptance_rate_counts_positions_up_to_the_first_rejection() -> None:
-    rate = AcceptanceRate(prior=0.5, decay=0.5)
-    rate.observe(4, 1)  # kept, rejected; positions 3 and 4 never judged
-    assert rate.value == pytest.approx((0.5 * 0.5 + 0.5) * 0.5)
-    rate.observe(2, 2)
-    assert rate.value == pytest.approx(0.375 * 0.25 + 0.5 * 0.5 + 0.5)
-    rate.reset()
-    assert rate.value == 0.5
+def test_guess_rate_pools_positions_up_to_the_first_rejection() -> None:
+    rate = AcceptanceTracker(prior=0.5, decay=0.5, per_position=False)
+    assert rate.alpha(0) == rate.alpha(3) == 0.5
+    rate.update(4, 1)  # kept, rejected; positions 3 and 4 never judged
+    assert rate.alpha(0) == rate.alpha(5) == pytest.approx((0.5 * 0.5 + 0.5) * 0.5)
+    rate.update(2, 2)
+    assert rate.alpha(0) == pytest.approx(0.375 * 0.25 + 0.5 * 0.5 + 0.5)
+    rate.update(0, 0)  # nothing offered: nothing learnt
+    assert rate.alpha(0) == pytest.approx(0.375 * 0.25 + 0.5 * 0.5 + 0.5)
     with pytest.raises(ValueError, match="accepted"):
-        rate.observe(1, 2)
+        rate.update(1, 2)
+
+
+def test_a_row_guess_matches_once_and_reads_each_length_as_ngram_match_would(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # [5, 6] occurs at 0 (-> 10, 11, 5, 6, 20) and at 4 (-> 20, 21, 5, 6): the newest with k tokens after it
+    # wins, so the 5-token guess cut to 2 tokens is not the 2-token guess.
+    tokens = [5, 6, 10, 11, 5, 6, 20, 21, 5, 6]
+    assert ngram_match.ngram_match(tokens, 2, 2, 5)[:2] != ngram_match.ngram_match(tokens, 2, 2, 2)
+    matched = []
+    match_suffix = ngram_match.match_suffix
+    monkeypatch.setattr("specdecode.engine.lookup_guess.match_suffix",
+                        lambda *args: matched.append(args) or match_suffix(*args))
+    guess = RowGuess(tokens, (1, 3))
+    assert [guess.tokens(k) for k in range(8)] == [ngram_match.ngram_match(tokens, 1, 3, k) for k in range(8)]
+    assert len(matched) == 1
+    assert RowGuess(tokens, None).tokens(4) == []  # lookup off
+    assert RowGuess([1, 2, 3], (1, 3)).tokens(4) == []  # no earlier occurrence
 
 
 def flat(t: int) -> float:

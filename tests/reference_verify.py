@@ -1,8 +1,9 @@
-"""Chain rejection sampling (speculative sampling) and the greedy fast path.
+"""Chain rejection sampling (speculative sampling) and its greedy fast path: the chain verifiers the tree
+verifiers are checked against (tests/test_tree_verify.py), and the rule the chain losslessness test simulates
+(tests/test_lossless_stats.py). The engine verifies every draft, chains included, with `specdecode.verify.tree`.
 
-Pure functions: all randomness comes in as uniforms, so tests can pick them by hand and the
-engine owns the random generator. A draft without probabilities (n-gram, greedy draft model) is a
-point mass q(x)=1 on the proposed token; the same code path serves every proposer.
+Pure functions: all randomness comes in as uniforms, so tests pick them by hand. A draft without probabilities
+(n-gram, greedy draft model) is a point mass q(x)=1 on the proposed token.
 
 Acceptance rule, written as a product to avoid dividing by zero:
     accept draft token x at position i  iff  u_i * draft_probs[i, x] < target_probs[i, x]

@@ -1,0 +1,97 @@
+"""The lookup-or-draft choice: each step a row's prompt-lookup guess is either proposed alone or grafted onto its
+drafter's tree.
+
+A draft model or a head drafts well but costs a forward per token or tree level; prompt lookup costs nothing but
+offers a guess only where the suffix occurred before. A row whose guess alone promises more expected tokens per
+second than its drafter's step proposes the guess (no drafter forward: copied text then costs no draft forward,
+and a drafter too slow to pay still speeds up the copying); every other tree row gets the guess as one more
+branch, verified in the same target forward. The row's suffix is matched once per step (`RowGuess`), and the
+guess read at each length asked. A guess's expected tokens use one acceptance rate (the row's `guess_rate`, an
+`AcceptanceTracker` that pools its positions); costs come from the start-up measurement, never from a clock, so a
+seeded request drafts the same way on every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specdecode.cost_model import CostModel
+from specdecode.engine.running import Running
+from specdecode.proposers.base import Draft
+from specdecode.proposers.ngram_match import SuffixMatch, match_suffix
+from specdecode.proposers.tree_growth import graft_chain
+
+
+class RowGuess:
+    """One row's prompt-lookup guess in one step. The suffix is matched on first use only; each length asked
+    (alone: the row's reach; as a branch: its k) reads its own continuation, as `ngram_match` would at it."""
+
+    def __init__(self, tokens: list[int], ngram: tuple[int, int] | None) -> None:
+        self._tokens, self._ngram = tokens, ngram
+        self._match: SuffixMatch | None = None
+        self.alone: list[int] = []
+        """The guess the row proposes alone this step, cut to its k ([]: its drafter drafts, if k > 0)."""
+
+    def tokens(self, n: int) -> list[int]:
+        """Up to n guessed tokens ([]: lookup off, or no earlier occurrence of the suffix)."""
+        if self._ngram is None or n <= 0:
+            return []
+        if self._match is None:
+            self._match = match_suffix(self._tokens, *self._ngram)
+        return self._match.continuation(n)
+
+
+def guess_alone(row: Running, guess: RowGuess, k: int, allowed: int, node_budget: int, catch_up: float,
+                cost: CostModel | None) -> list[int]:
+    """The guess the row proposes alone (no drafter forward, a forward over the guess only) where that promises
+    more tokens per second than its drafter's step at k (its catch-up included; at k = 0, a plain step); []
+    where the drafter pays more, or where there is no drafter cost to save (the n-gram proposer is the lookup
+    itself). The guess reaches as far as the copy goes on, up to the row's cap `allowed` and the nodes its tree
+    would verify (a fixed k: k), and is cut at the length with the most tokens per second. `cost` is the row's
+    own cost model."""
+    policy, seq = row.policy, row.seq
+    if policy is None or cost is None or cost.draft_step_seconds <= 0 or seq.params.has_penalties:
+        return []
+    reach = k if policy.fixed_k is not None else max(k, node_budget)  # a fixed k is the request's own depth
+    tokens = guess.tokens(min(allowed, reach))
+    if not tokens:
+        return []
+    rate, forward = row.guess_rate.alpha(0), cost.target_forward_seconds
+    n = best_guess_len(len(tokens), rate, forward)
+    draft_tokens, draft_seconds = policy.tracker.expected_tokens(k), cost.step_seconds(k) + catch_up
+    return tokens[:n] if guess_beats(n, rate, draft_tokens, draft_seconds, forward) else []
+
+
+def with_lookup_branch(draft: Draft, guess: RowGuess, k: int) -> Draft:
+    """A tree draft plus the row's guess of k tokens as one more branch: verification checks both in the same
+    target forward (copied text is accepted through the guess, the rest through the drafter's tree). Chains
+    and drafts without a guess come back unchanged."""
+    if not draft.is_tree:
+        return draft
+    branch = guess.tokens(k)
+    if not branch:
+        return draft
+    assert draft.parents is not None
+    tokens, parents = graft_chain(draft.tokens, draft.parents, branch)
+    return Draft(tokens, None, parents)  # the drafter's nodes keep their indices; the branch comes after
+
+
+def expected_tokens(rate: float, n: int) -> float:
+    """Tokens a step emits on average with a guess of n tokens each kept at `rate` given the ones before: the
+    kept run plus the target's own (recovered or bonus) token."""
+    return 1.0 + sum(rate**i for i in range(1, n + 1))
+
+
+def guess_beats(guess_len: int, rate: float, draft_tokens: float, draft_seconds: float,
+                target_seconds: Callable[[int], float]) -> bool:
+    """True when verifying the guess alone yields at least the tokens per second of the drafter's step, which
+    emits `draft_tokens` on average in `draft_seconds` (a chain's or a tree's, its drafting included)."""
+    if guess_len <= 0:
+        return False
+    return expected_tokens(rate, guess_len) / target_seconds(guess_len + 1) >= draft_tokens / draft_seconds
+
+
+def best_guess_len(guess_len: int, rate: float, target_seconds: Callable[[int], float]) -> int:
+    """The prefix of a guess (1..guess_len tokens) whose verification alone yields the most expected tokens per
+    second: a longer guess costs a wider forward, worth it while its tail is likely to be kept."""
+    return max(range(1, guess_len + 1), key=lambda n: expected_tokens(rate, n) / target_seconds(n + 1))
