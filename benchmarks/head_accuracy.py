@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from specdecode.heads.cli import default_data_dir
 from specdecode.heads.corpus import training_conversations
 from specdecode.heads.features import conversation_ids, generate_features, shard_paths
 from specdecode.heads.fingerprint import target_fingerprint
@@ -24,6 +23,7 @@ from specdecode.heads.persist import load_head
 from specdecode.heads.shipped import shipped_head
 from specdecode.heads.train import Corpus, TrainOptions, eagle_loss, window_batch
 from specdecode.model.load import load_model
+from specdecode.train_cli import default_data_dir
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 

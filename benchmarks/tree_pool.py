@@ -116,9 +116,9 @@ def accepted(order: list[int], n: int, ok: list[bool]) -> int:
 
 
 def value_chosen(steps: list, orders: list[list[int]], draft_s: float, verify: dict[int, float]) -> dict:  # noqa: ANN001
-    """The engine's own rule (proposers/tree_value.py: TreeValue, learned calibration, one per request) applied to
-    each step's pool: mean nodes kept, τ and tokens per second."""
-    from specdecode.proposers.tree_value import TreeValue
+    """The engine's own rule (proposers/nodes_worth_verifying.py: TreeValue, learned calibration, one per request)
+    applied to each step's pool: mean nodes kept, τ and tokens per second."""
+    from specdecode.proposers.nodes_worth_verifying import TreeValue
 
     value, kept, tokens, seconds, last_l = None, 0, 0.0, 0.0, None
     for (s, ok), order in zip(steps, orders, strict=True):

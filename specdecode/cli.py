@@ -14,9 +14,9 @@ from specdecode.bench.cli import add_bench_parser
 from specdecode.chat_cli import add_chat_parser
 from specdecode.fetch import KNOWN_MODELS, FetchError, fetch_model
 from specdecode.generate_cli import add_generate_parser
-from specdecode.heads.cli import add_train_head_parser
 from specdecode.log import cli_logging, verbosity_level
 from specdecode.serve_cli import add_serve_parser
+from specdecode.train_cli import add_train_head_parser
 
 
 def _add_verbosity_args(p: argparse.ArgumentParser, default: Any) -> None:

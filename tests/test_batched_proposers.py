@@ -1,4 +1,5 @@
-"""Batch-first drafting: one batched proposal equals each row's own proposal (the row drafting alone).
+"""Batch-first drafting: one batched proposal equals each row's own proposal (the row drafting alone), and a
+batch proposer's `state_bytes` is what its rows allocate.
 
 Tiny random models in fp32; rows differ in context length, draft length and how far behind their drafting
 state is (a fresh row catches up on its whole prompt while another feeds one token), and a second step
@@ -16,7 +17,9 @@ from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, ProposeRow, SequenceView
 from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.proposers.eagle_rows import EagleRows
-from specdecode.proposers.ragged import RowInput, pack
+from specdecode.proposers.medusa_rows import MedusaRows
+from specdecode.proposers.ngram import NgramRows
+from specdecode.proposers.row_packing import RowInput, pack
 from specdecode.sampling import SamplingParams
 
 VOCAB = 48
@@ -224,3 +227,48 @@ def test_eagle_measures_its_level_cost_on_a_scratch_row_that_leaves_no_trace() -
             assert rows.cache.used == {0} and set(rows.rows) == {0}
         drafts.append(rows.propose([ProposeRow(0, view, 4, 12)])[0])
     _same(drafts[0], drafts[1])
+
+
+@pytest.mark.parametrize("tree_width", [0, 1, 3], ids=["dynamic-tree", "chain", "tree"])
+def test_batched_medusa_equals_per_row(tree_width: int) -> None:
+    """Every row's heads run in one forward over the rows' newest features: each row drafts what it drafts alone."""
+    target = _model(4)
+    head = new_head(target, "medusa", torch.arange(0, VOCAB, 2), seed=2)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(3.0)  # peaked logits: no near-ties between a wide and a narrow forward
+    feats = torch.randn(MAX_LEN, 32, generator=torch.Generator().manual_seed(1))  # [position, D]
+    ks, budget = [3, 4, 5, 2, 4], 12
+    views = _views(0.0)
+    singles = [MedusaRows(head, tree_width) for _ in ks]  # a proposer per row
+    rows = MedusaRows(head, tree_width)
+    for i, v in enumerate(views):
+        for proposer, key in ((singles[i], 0), (rows, i)):
+            proposer.begin(key, v)
+            proposer.observe_hidden(key, feats[: len(v.token_ids) - 1])
+    ref = [p.propose([ProposeRow(0, v, k, budget)])[0] for p, v, k in zip(singles, views, ks, strict=True)]
+    got = rows.propose([ProposeRow(i, v, k, budget) for i, (v, k) in enumerate(zip(views, ks, strict=True))])
+    for a, b in zip(ref, got, strict=True):
+        _same(a, b)
+    assert all(len(d.tokens) > 0 for d in got)
+
+
+def test_state_bytes_are_what_the_rows_allocate() -> None:
+    """The draft model's cache rows, and the EAGLE head's cache rows with the target's features: what `rows` rows
+    allocate once they draft; n-gram and Medusa rows hold no cache."""
+    target = _model(4)
+    eagle = new_head(target, "eagle", torch.arange(0, VOCAB, 2), seed=2)
+    views = _views(0.0)
+    for rows in (1, 3):
+        draft = DraftModelRows(DRAFT, MAX_LEN, max_rows=rows)
+        heads = EagleRows(eagle, MAX_LEN, max_rows=rows)
+        for proposer in (draft, heads):
+            proposer.reserve(rows)
+            for key in range(rows):
+                proposer.begin(key, views[key])
+        assert draft.cache.cache is not None and heads.cache.cache is not None
+        assert draft.state_bytes(rows) == draft.cache.cache.nbytes()
+        features = sum(t.nbytes for t in heads.features.values())
+        assert heads.state_bytes(rows) == heads.cache.cache.nbytes() + features
+    medusa = new_head(target, "medusa", torch.arange(0, VOCAB, 2), seed=2)
+    assert NgramRows().state_bytes(4) == MedusaRows(medusa).state_bytes(4) == 0

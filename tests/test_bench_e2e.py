@@ -100,7 +100,8 @@ def test_llamacpp_peer_with_a_fake_module(monkeypatch: pytest.MonkeyPatch) -> No
     import sys
     import types
 
-    from specdecode.bench.peers import PeerContext, make_peers
+    from specdecode.bench.peer_base import PeerContext
+    from specdecode.bench.peers import make_peers
 
     made = []
 
@@ -311,7 +312,8 @@ def test_llama_server_peer_runs_one_server_per_method(tmp_path: Path, monkeypatc
     draft), the prompt's ids in, the answer's ids out (the end token it stopped at included), its peak RSS kept."""
     import sys
 
-    from specdecode.bench.peers import PeerContext, make_peers
+    from specdecode.bench.peer_base import PeerContext
+    from specdecode.bench.peers import make_peers
 
     ctx = PeerContext(target_path=tmp_path / "t.gguf", draft_path=tmp_path / "d.gguf", eos_token_id=2, max_tokens=8)
     monkeypatch.setenv("SPECDECODE_LLAMA_SERVER", str(tmp_path / "missing"))

@@ -21,7 +21,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.engine.core import Engine
 from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.proposers.eagle_rows import EagleRows
-from specdecode.proposers.rows import MedusaRows
+from specdecode.proposers.medusa_rows import MedusaRows
 
 MAX_TOKENS = [24, 9, 17, 30, 5, 21, 13, 28]
 TEXTS = ["def add(a, b):", "The quick brown fox", "x = [1, 2, 3]\nfor i in x:", "Hello", "a b a b a b a",

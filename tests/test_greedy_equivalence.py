@@ -11,8 +11,8 @@ docs/design.md. Every proposer (draft model, n-gram) and three drafters:
 
 for fixed k = 1..8 and "auto", on tiny random Llama/Qwen2 models and (marker `real`) on
 SmolLM2-135M. Each LLM is built once per module; drafters are swapped through
-``llm.engine.set_proposer`` (a factory of per-request drafters) and the draft length through
-``llm.engine.fixed_k`` / ``k_max``. Prompts given together run as one batch.
+``llm.engine.set_proposer`` (a batch proposer; the oracle through ``tiny_helpers.DrafterRows``) and the
+draft length through ``llm.engine.fixed_k`` / ``k_max``. Prompts given together run as one batch.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_helpers import DrafterRows
 
 from specdecode import LLM, SamplingParams
 from specdecode.cost_model import CostModel
 from specdecode.model.config import ModelConfig
 from specdecode.model.load import load_model
 from specdecode.model.transformer import Transformer
-from specdecode.proposers.base import Draft, ProposerDefaults, SequenceView
+from specdecode.proposers.base import Draft, SequenceView
 from specdecode.proposers.draft_rows import DraftModelRows
-from specdecode.proposers.ngram import NgramProposer
-from specdecode.proposers.rows import RowProposers
+from specdecode.proposers.ngram import NgramRows
 
 KS = [1, 2, 3, 4, 5, 6, 7, 8]
 KS_AUTO: list[int | str] = [*KS, "auto"]
@@ -59,7 +59,7 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-class OracleProposer(ProposerDefaults):
+class OracleProposer:
     """Drafts the target's true greedy continuation, with draft position ``corrupt_at`` wrong.
 
     ``references`` maps prompt ids to the plain greedy output for them. Records every draft so
@@ -82,7 +82,7 @@ class OracleProposer(ProposerDefaults):
         self.draft_lens = []
         self.verified = []
 
-    def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
+    def propose(self, seq: SequenceView, k: int, node_budget: int) -> Draft:
         done = len(seq.token_ids) - seq.prompt_len
         # The engine must never have emitted anything but the true greedy tokens.
         assert seq.token_ids[seq.prompt_len :] == self.ref[:done]
@@ -93,7 +93,7 @@ class OracleProposer(ProposerDefaults):
         self.draft_lens.append(len(tokens))
         return Draft(tokens)
 
-    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
+    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int) -> None:
         self.verified.append(num_accepted)
 
     def expected_accepted(self) -> list[int]:
@@ -102,8 +102,8 @@ class OracleProposer(ProposerDefaults):
 
 
 def use(llm: LLM, proposer: Any, k: int | str) -> None:
-    """Swap the drafter (a factory of batch proposers, or one per-sequence proposer every request shares) and the
-    draft length of an LLM built with a speculative config."""
+    """Swap the drafter (a factory of batch proposers, or one oracle every request shares) and the draft length
+    of an LLM built with a speculative config."""
     engine = llm.engine
     if k == "auto":
         assert engine.cost is not None, "build the LLM with num_speculative_tokens='auto' so the cost is measured"
@@ -114,7 +114,7 @@ def use(llm: LLM, proposer: Any, k: int | str) -> None:
         engine.fixed_k, engine.k_max = None, 8
     else:
         engine.fixed_k, engine.k_max = int(k), int(k)
-    engine.set_proposer(proposer() if callable(proposer) else RowProposers(lambda: proposer))
+    engine.set_proposer(proposer() if callable(proposer) else DrafterRows(lambda: proposer))
     engine.lookup = None  # every step is this drafter's: no lookup guess proposed alone in its place
 
 
@@ -199,7 +199,7 @@ def test_tiny_random_draft_accepts_almost_nothing(tiny: Env, k: int | str) -> No
 
 @pytest.mark.parametrize("k", KS_AUTO)
 def test_tiny_ngram(tiny: Env, k: int | str) -> None:
-    use(tiny.spec, NgramProposer(1, 3), k)
+    use(tiny.spec, lambda: NgramRows(1, 3), k)
     prompts = [*TINY_PROMPTS, NGRAM_EXTRA_IDS]
     outs = tiny.spec.generate(prompts, greedy())
     for prompt, out in zip(prompts, outs, strict=True):
@@ -330,7 +330,7 @@ def test_smol_random_draft(smol: Env) -> None:
 @pytest.mark.real
 @pytest.mark.parametrize(("prompt_idx", "k"), [(0, 4), (1, "auto")])
 def test_smol_ngram(smol: Env, prompt_idx: int, k: int | str) -> None:
-    use(smol.spec, NgramProposer(1, 3), k)
+    use(smol.spec, lambda: NgramRows(1, 3), k)
     _smol_check(smol, SMOL_PROMPTS[prompt_idx])
 
 

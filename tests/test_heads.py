@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from specdecode.heads.modules import IncompatibleHeadError
 from specdecode.heads.persist import load_head, new_head, save_head
 from specdecode.heads.train import Corpus, TrainOptions, _eagle_step_loss, train_head, window_batch
 from specdecode.model.load import load_model
-from specdecode.proposers.head_columns import HeadColumns
+from specdecode.proposers.head_logit_columns import HeadColumns
 
 
 @pytest.fixture(scope="module")
@@ -264,8 +265,9 @@ def test_heads_in_continuous_batching_keep_greedy_output(plain_tiny, tiny_llama_
     """The engine feeds every row's proposer the target's features; rows draft trees, with the lookup branch
     grafted onto them (here a guess is always found, and the lookup-or-tree choice, tested on its own in
     test_tree_engine.py, is off so that every step drafts a tree)."""
-    monkeypatch.setattr("specdecode.engine.core.ngram_match", lambda tokens, lo, hi, k: [5, 6, 7][:k])
-    monkeypatch.setattr("specdecode.engine.core.Engine._solo_guess", lambda self, r, k, node_budget, catch_up: [])
+    monkeypatch.setattr("specdecode.engine.lookup_guess.match_suffix",
+                        lambda tokens, lo, hi: SimpleNamespace(continuation=lambda k: [5, 6, 7][:k]))
+    monkeypatch.setattr("specdecode.engine.core.guess_alone", lambda *args: [])
     base, ref = plain_tiny
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": kind, "model": str(random_heads[kind]), "num_speculative_tokens": 3})
@@ -401,7 +403,7 @@ def test_written_requests_are_cached_and_resumed(tiny_llama_dir: Path, tmp_path:
 def test_saved_texts_seed_the_data_directory(tmp_path: Path) -> None:
     """The repository's saved requests and answers are copied into a data directory that lacks them; files
     already there are never overwritten (a longer cached run keeps its own)."""
-    from specdecode.heads.cli import seed_data_dir
+    from specdecode.train_cli import seed_data_dir
 
     saved = tmp_path / "saved" / "my-target"
     saved.mkdir(parents=True)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specdecode.cost_model import CostModel
+from specdecode.proposers.nodes_worth_verifying import TreeValue, best_node_count
 from specdecode.proposers.tree_growth import grow_tree, prune_to_best
-from specdecode.proposers.tree_value import TreeValue, best_node_count
 
 
 def flat_then_linear(t: int) -> float:

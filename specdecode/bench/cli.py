@@ -89,7 +89,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     from specdecode.bench.datasets import parse_per_task
-    from specdecode.bench.harness import BenchConfig, run_bench
+    from specdecode.bench.harness import run_bench
+    from specdecode.bench.run_config import BenchConfig
 
     for name in ("limit", "max_tokens"):  # --round-size is checked by the harness
         value = getattr(args, name)

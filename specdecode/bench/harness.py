@@ -1,259 +1,38 @@
-"""The benchmark run: methods × prompts, Spec-Bench protocol, records and summary.
+"""The benchmark run: every method over every prompt, in rounds, resumable; our methods and the peers'.
 
-Protocol (Spec-Bench): greedy by default, batch 1, one warm-up generation per method that
-is not counted, each prompt's time includes its prefill, per-prompt tokens/s = output
-tokens / seconds, generation stops at EOS as a user's would (``ignore_eos`` off). Every
-method (ours and peers) gets the same prompt token ids (the target's chat template) and the
-same max tokens. One engine object is built per method, reused over all prompts and freed
-before the next is built.
+Protocol (Spec-Bench): greedy by default, batch 1, one warm-up generation per method that is not counted, each
+prompt's time includes its prefill, per-prompt tokens/s = output tokens / seconds, generation stops at EOS as a
+user's would (``ignore_eos`` off). Every method (ours and peers) gets the same prompt token ids (the target's
+chat template) and the same max tokens. One engine object is built per method, reused over all prompts and freed
+before the next is built, so each method's memory is its own.
 """
 
 from __future__ import annotations
 
 import gc
-import os
-import platform
-import resource
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from specdecode.bench import stats
-from specdecode.bench.bandwidth import (
-    measure_bandwidth,
-    median_probe,
-    memory_floor,
-    module_bytes,
-    weight_bytes_per_token,
-)
-from specdecode.bench.datasets import BenchPrompt, PerTask, load_prompts
+from specdecode.bench.bandwidth import measure_bandwidth, median_probe, weight_bytes_per_token
+from specdecode.bench.datasets import BenchPrompt, load_prompts
+from specdecode.bench.machine import machine_info
+from specdecode.bench.memory import RssSampler, current_rss, engine_memory, measure_alone
 from specdecode.bench.methods import MethodSpec, parse_method
-from specdecode.bench.peers import PeerContext, make_peers, parse_peers
+from specdecode.bench.peer_base import PeerContext
+from specdecode.bench.peers import make_peers, parse_peers
+from specdecode.bench.records import WARMUP_TOKENS, base_record, generate_ours, ours_record, timed
+from specdecode.bench.run_config import BenchConfig
 from specdecode.bench.run_state import RunState
-
-
-@dataclass
-class BenchConfig:
-    model: str
-    methods: list[str]
-    out: Path
-    draft: str | None = None
-    heads: dict[str, str] = field(default_factory=dict)
-    """Head directory per kind ("eagle", "medusa") for the head methods."""
-    dataset: str = "spec_bench"
-    tasks: list[str] | None = None
-    per_task: PerTask = None
-    limit: int | None = None
-    max_tokens: int = 128
-    temperature: float = 0.0
-    dtype: str = "bf16"
-    device: str | None = None
-    max_model_len: int | None = None
-    peers: list[str] = field(default_factory=list)
-    seed: int = 0
-    warmup: bool = True
-    bandwidth_gb: float = 1.0
-    """Size of the bandwidth probe tensor; 0 skips the bandwidth measure and the memory floor."""
-    flat_verify_cost: bool = False
-    """Our speculative methods size k and their trees as if a target forward of up to a full tree cost as
-    much as one token (as on a GPU): τ is then what such hardware would see; tokens/s stay this machine's."""
-    plots: bool = True
-    progress: bool = True
-    round_size: int | None = None
-    """Prompts per round: every method runs on one round before the next round starts, so an
-    interrupted run loses at most one method's round and every round is measured close in time.
-    None = one round of all prompts."""
-    resume: bool = False
-    """Continue the run stored in ``out`` (records.jsonl + run-state.json), skipping what is done."""
-    peer_methods: list[str] | None = None
-    """Keep only these peer methods (e.g. hf-plain,hf-assisted); None = all the peers offer."""
-    redo: list[str] = field(default_factory=list)
-    """With resume: methods whose stored records are dropped and measured again."""
-    report_only: bool = False
-    peak_rss_alone: bool = True
-    """Measure each plain engine's (ours and llama.cpp's) peak RSS alone, in a child process (`child_rss`)."""
-    """With resume: write the summary and plots of the records so far, measuring nothing."""
-
-
-# ---- memory --------------------------------------------------------------------------------------
-
-
-def current_rss() -> int:
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except ImportError:  # Linux fallback
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def process_peak_rss() -> int:
-    """Peak RSS of the whole process so far (ru_maxrss; KiB on Linux)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) * (1 if sys.platform == "darwin" else 1024)
-
-
-class RssSampler:
-    """Peak RSS over a stretch of the run, sampled by a background thread (ru_maxrss never resets)."""
-
-    def __init__(self, interval: float = 0.05) -> None:
-        self.interval = interval
-        self.peak = current_rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, current_rss())
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, current_rss())
-
-
-# ---- machine -------------------------------------------------------------------------------------
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git_commit() -> str | None:
-    try:
-        repo = Path(__file__).resolve().parents[2]
-        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, check=False)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def machine_info() -> dict[str, Any]:
-    import specdecode
-
-    info: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu": _cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "specdecode": specdecode.__version__,
-        "git_commit": _git_commit(),
-    }
-    try:
-        import psutil
-
-        info["physical_cores"] = psutil.cpu_count(logical=False)
-        info["memory_bytes"] = psutil.virtual_memory().total
-    except ImportError:
-        pass
-    for mod in ("transformers", "llama_cpp"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - absent or broken: just not reported
-            info[mod] = None
-    return info
-
-
-# ---- one method ----------------------------------------------------------------------------------
+from specdecode.bench.summary import build_summary
 
 
 def _progress(total: int, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="bench", unit="prompt", disable=not enabled, dynamic_ncols=True)
-
-
-def _base_record(method: str, kind: str, prompt: BenchPrompt, ids: list[int], out_ids: list[int],
-                 seconds: float) -> dict[str, Any]:
-    n = len(out_ids)
-    return {
-        "method": method, "engine": kind, "task": prompt.task, "prompt_index": prompt.index,
-        "source_id": prompt.source_id, "prompt_tokens": len(ids), "output_tokens": n, "seconds": seconds,
-        "tokens_per_second": n / seconds if seconds > 0 else 0.0, "prefill_seconds": None, "steps": None,
-        "draft_tokens": None, "accepted_tokens": None, "mean_accepted_length": None, "acceptance_rate": None,
-        "accepted_by_position": None, "drafted_by_position": None, "draft_seconds": None, "verify_seconds": None,
-        "decode_tokens_per_second": None, "finish_reason": None, "token_ids": out_ids,
-    }
-
-
-def _generate_ours(llm: Any, ids: list[int], params: Any) -> tuple[Any, list[int] | None, list[int] | None]:
-    """One request through the engine core that also serves (`LLM.run_sequences`, a batch of one):
-    (RequestOutput, accepted_by_position, drafted_by_position), the per-position *counts* read from the
-    sequence's stats (the public metrics hold the per-position fractions only)."""
-    seq = llm.run_sequences([llm.new_sequence(ids, params)])[0]
-    return seq.to_output(), list(seq.stats.accepted_by_position), list(seq.stats.drafted_by_position)
-
-
-def _engine_memory(llm: Any) -> dict[str, int]:
-    """Bytes of the target's weights and of what speculation adds: the draft model or head (shared
-    target tensors not counted) and the proposer's own caches (draft KV cache, head features)."""
-    extra = 0
-    if llm.draft is not None:
-        extra += module_bytes(llm.draft.model)
-    if llm.head is not None:
-        extra += module_bytes(llm.head)
-    proposer = llm.new_proposer(1)
-    if proposer is not None:  # one request's drafting state: its row of the draft's or head's cache, head features
-        from specdecode.proposers.base import SequenceView
-        from specdecode.sampling import SamplingParams
-
-        proposer.reserve(1)
-        proposer.begin(0, SequenceView([0, 0], 1, SamplingParams(), torch.Generator()))
-        rows = getattr(proposer, "cache", None)  # a RowCache (batch proposers with a KV cache of their own)
-        if rows is not None and rows.cache is not None:
-            extra += rows.cache.nbytes()
-        extra += sum(t.nbytes for t in getattr(proposer, "features", {}).values())
-    return {"target_weight_bytes": module_bytes(llm.target.model), "speculation_bytes": extra}
-
-
-def _ours_record(method: str, prompt: BenchPrompt, ids: list[int], out: Any, seconds: float,
-                 accepted: list[int] | None, drafted: list[int] | None) -> dict[str, Any]:
-    rec = _base_record(method, "specdecode", prompt, ids, list(out.token_ids), seconds)
-    m = out.metrics
-    for key in ("prefill_seconds", "steps", "draft_tokens", "accepted_tokens", "mean_accepted_length",
-                "acceptance_rate", "draft_seconds", "verify_seconds"):
-        rec[key] = m.get(key)
-    rec["engine_seconds"] = m.get("seconds")
-    rec["accepted_by_position"], rec["drafted_by_position"] = accepted, drafted
-    rec["finish_reason"] = out.finish_reason
-    prefill = rec["prefill_seconds"]
-    decode_seconds = seconds - prefill if prefill is not None else 0.0
-    # Decode-only rate (the first token comes from the prefill): what the memory floor bounds.
-    rec["decode_tokens_per_second"] = (len(out.token_ids) - 1) / decode_seconds if decode_seconds > 0 else None
-    return rec
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - t0
-
-
-WARMUP_TOKENS = 32
-"""Tokens of the warm-up generation after each engine load (enough to reach every code path)."""
 
 
 class BenchRun:
@@ -302,12 +81,12 @@ class BenchRun:
         bar.set_postfix_str(f"{spec.name}: loading")
         rss_before = current_rss()
         with RssSampler() as sampler:
-            llm, load_seconds = _timed(lambda: LLM(cfg.model, dtype=cfg.dtype, device=cfg.device,
-                                                   speculative_config=spec.speculative_config,
-                                                   max_model_len=cfg.max_model_len, seed=cfg.seed,
-                                                   quantization=spec.quantization,
-                                                   # each prompt once, prefilled in full, as the peers do
-                                                   enable_prefix_caching=False))
+            llm, load_seconds = timed(lambda: LLM(cfg.model, dtype=cfg.dtype, device=cfg.device,
+                                                  speculative_config=spec.speculative_config,
+                                                  max_model_len=cfg.max_model_len, seed=cfg.seed,
+                                                  quantization=spec.quantization,
+                                                  # each prompt once, prefilled in full, as the peers do
+                                                  enable_prefix_caching=False))
             rss_loaded = current_rss()
             if state.prompt_ids is None:  # the target's chat template, once, shared by every method
                 state.prompt_ids = [llm.chat_prompt_ids(p.messages) for p in self.prompts]
@@ -317,18 +96,18 @@ class BenchRun:
                 llm.cost = llm.engine.cost = llm.measure_cost(llm.engine.proposer, llm.max_num_seqs, flat=True)
                 state.add_note(f"{spec.name}: k and tree sized for a flat verification cost (--flat-verify-cost: "
                                "as on a GPU); τ is that hardware's, tokens/s this machine's")
-            memory = _engine_memory(llm)
+            memory = engine_memory(llm)
             if spec.speculative_config is None:  # a plain run: its format's memory floor is reported
                 state.plain_weights[spec.name] = {"method": spec.name, **weight_bytes_per_token(llm.target.model)}
             params = self._params()
             ids_list = self._ids(prompts)
             if cfg.warmup:
                 bar.set_postfix_str(f"{spec.name}: warm-up")
-                _generate_ours(llm, ids_list[0], self._params(min(WARMUP_TOKENS, cfg.max_tokens)))
+                generate_ours(llm, ids_list[0], self._params(min(WARMUP_TOKENS, cfg.max_tokens)))
             bar.set_postfix_str(spec.name)
             for prompt, ids in zip(prompts, ids_list, strict=True):
-                (out, accepted, drafted), seconds = _timed(lambda ids=ids: _generate_ours(llm, ids, params))
-                state.add_record(_ours_record(spec.name, prompt, ids, out, seconds, accepted, drafted))
+                (out, accepted, drafted), seconds = timed(lambda ids=ids: generate_ours(llm, ids, params))
+                state.add_record(ours_record(spec.name, prompt, ids, out, seconds, accepted, drafted))
                 bar.update(1)
             rss_after = current_rss()
         state.merge_resources(spec.name, {
@@ -375,7 +154,7 @@ class BenchRun:
         left = sum(len(v) for v in todo.values())
         try:
             with RssSampler() as sampler:
-                methods, load_seconds = _timed(peer.open)
+                methods, load_seconds = timed(peer.open)
                 methods = [m for m in methods if todo.get(m.name)]
                 rss_loaded = current_rss()
                 for method in methods:
@@ -389,8 +168,8 @@ class BenchRun:
                             self._warm_peer(peer, method, ids_list[0])
                         bar.set_postfix_str(method.name)
                         for prompt, ids in zip(prompts, ids_list, strict=True):
-                            out_ids, seconds = _timed(lambda ids=ids, g=method.generate: g(ids))
-                            state.add_record(_base_record(method.name, peer.name, prompt, ids, out_ids, seconds))
+                            out_ids, seconds = timed(lambda ids=ids, g=method.generate: g(ids))
+                            state.add_record(base_record(method.name, peer.name, prompt, ids, out_ids, seconds))
                             bar.update(1)
                             left -= 1
                     except Exception as exc:  # noqa: BLE001 - a peer's failure is a note, not our failure
@@ -437,7 +216,7 @@ class BenchRun:
                            f"({state.forget(cfg.redo)} records dropped)")
         state.sessions.append({**machine, "command": self.command, "records_before": len(state.records)})
         if cfg.bandwidth_gb > 0:
-            # A run stored before sessions kept their probes has its one probe in state.bandwidth.
+            # A stored run whose sessions hold no probes keeps its one probe in state.bandwidth: its first session's.
             if state.bandwidth is not None and not any({"bandwidth", "bandwidth_probes"} & s.keys()
                                                        for s in state.sessions):
                 state.sessions[0]["bandwidth"] = {k: v for k, v in state.bandwidth.items()
@@ -477,45 +256,19 @@ class BenchRun:
         finally:
             bar.close()
         if cfg.peak_rss_alone and state.prompt_ids:
-            self._measure_alone(specs, peers)
+            llamacpp_plain = any("llamacpp-plain" in self._peer_names(p) for p in peers)
+            measure_alone(state, cfg, specs, llamacpp_plain)
         return self._write_outputs()
-
-    def _measure_alone(self, specs: list[MethodSpec], peers: list[Any]) -> None:
-        """Peak RSS of each plain engine alone (ours in each format, llama.cpp's), once per method: the first
-        prompt, the run's max tokens, the same context size and threads."""
-        from specdecode.bench.child_rss import peak_rss_alone
-        from specdecode.engine.llm import DEFAULT_MAX_MODEL_LEN
-        from specdecode.fetch import resolve_model
-        from specdecode.model.load import read_config
-
-        cfg, state = self.cfg, self.state
-        assert state is not None and state.prompt_ids is not None
-        path = resolve_model(cfg.model)
-        n_ctx = min(cfg.max_model_len or DEFAULT_MAX_MODEL_LEN, read_config(path).max_position_embeddings)
-        jobs = [(s.name, "specdecode", s.quantization) for s in specs if s.speculative_config is None]
-        jobs += [("llamacpp-plain", "llama.cpp", "none") for p in peers if "llamacpp-plain" in self._peer_names(p)]
-        for name, engine, quantization in jobs:
-            res = state.resources.get(name)
-            if res is None or res.get("alone_peak_rss_bytes") is not None:
-                continue
-            try:
-                alone = peak_rss_alone(engine, str(path) if engine == "llama.cpp" else cfg.model, state.prompt_ids[0],
-                                       cfg.max_tokens, n_ctx, torch.get_num_threads(), cfg.dtype, quantization)
-            except Exception as exc:  # noqa: BLE001 - a missing figure is a note, not a failed run
-                state.add_note(f"{name}: peak RSS alone not measured ({type(exc).__name__}: {exc})")
-                continue
-            state.resources[name] = {**res, "alone_peak_rss_bytes": alone["peak_rss_bytes"]}
-        state.save()
 
     def _probe_bandwidth(self) -> None:
         """Probe the read bandwidth now (at the start of each session and between rounds); the floor uses
-        the median of every probe so far. On this shared machine one probe reads anywhere from 27 to
-        61 GB/s: the floor should not hang on one moment."""
+        the median of every probe so far: on a shared machine one probe varies widely, and the floor should not
+        hang on one moment."""
         state = self.state
         assert state is not None
         probe = measure_bandwidth(self.cfg.bandwidth_gb)
         session = state.sessions[-1]
-        session.setdefault("bandwidth_probes", []).append(probe)  # sessions stored before: one "bandwidth"
+        session.setdefault("bandwidth_probes", []).append(probe)  # a stored session without probes: one "bandwidth"
         probes = [b for s in state.sessions for b in (s.get("bandwidth_probes") or [s.get("bandwidth")]) if b]
         state.bandwidth = median_probe(probes)
         state.save()
@@ -524,71 +277,9 @@ class BenchRun:
         from specdecode.bench.report import write_outputs
 
         assert self.state is not None
-        summary = self._summary(self.prompts, self.state.bandwidth)
+        summary = build_summary(self.cfg, self.state, self.prompts, self.state.bandwidth)
         write_outputs(self.cfg.out, None if self.cfg.report_only else self.records, summary, plots=self.cfg.plots)
         return summary
-
-    def _summary(self, prompts: list[BenchPrompt], bandwidth: dict[str, Any] | None) -> dict[str, Any]:
-        cfg, state = self.cfg, self.state
-        assert state is not None
-        records, complete = stats.complete_prompts(self.records)
-        notes = list(state.notes)
-        if complete < len(prompts):
-            notes.append(f"partial run: {complete} of {len(prompts)} prompts were measured by every method, and "
-                         "only those are summarized; rerun the command with --resume to continue")
-        own = {}
-        methods_seen = {r["method"] for r in records}
-        for m in methods_seen:
-            for prefix in ("hf-", "llamacpp-"):
-                if m.startswith(prefix) and m != prefix + "plain" and prefix + "plain" in methods_seen:
-                    own[m] = prefix + "plain"
-        summary = stats.summarize(records, "plain", own)
-        for method, res in state.resources.items():
-            if method in summary["by_method"]:
-                summary["by_method"][method]["resources"] = res
-        floors = {}
-        for method, info in state.plain_weights.items():
-            if bandwidth is None or not info["bytes"] or method not in summary["by_method"]:
-                continue
-            floor_tps = memory_floor(bandwidth["read_gb_per_s"], info["bytes"])
-            overall = summary["by_method"][method]["overall"]
-            plain, plain_decode = overall.get("tokens_per_second"), overall.get("decode_tokens_per_second")
-            floors[method] = {
-                "weight_bytes_per_token": info["bytes"],
-                "embedding_bytes_excluded": info["embedding_bytes_excluded"],
-                "weight_bytes_by_module_type": info["by_module_type"],
-                "bandwidth_gb_per_s": bandwidth["read_gb_per_s"],
-                "floor_tokens_per_second": floor_tps,
-                "plain_tokens_per_second": plain,
-                "plain_fraction_of_floor": plain / floor_tps if plain is not None and floor_tps else None,
-                "plain_decode_tokens_per_second": plain_decode,
-                "plain_decode_fraction_of_floor": plain_decode / floor_tps if plain_decode and floor_tps else None,
-            }
-        floor = floors.get("plain")
-        config = asdict(cfg)
-        config["out"] = str(cfg.out)
-        first = state.sessions[0]  # the run's command and machine: the session that started it
-        return {
-            "command": first["command"],
-            "machine": {k: v for k, v in first.items() if k not in ("command", "records_before")},
-            "sessions": [{k: s.get(k) for k in ("date", "cpu", "git_commit", "command", "records_before")}
-                         for s in state.sessions],
-            "config": config,
-            "protocol": ("greedy" if cfg.temperature <= 0 else f"temperature {cfg.temperature}")
-            + f", batch 1, one {WARMUP_TOKENS}-token warm-up generation per engine load excluded, prefill "
-            "included in each prompt's time, tokens/s = output tokens / seconds per prompt, speedup = ratio of "
-            "means vs plain, stop at EOS"
-            + (f", methods run in rounds of {cfg.round_size} prompts" if cfg.round_size else ""),
-            "num_prompts": len(prompts),
-            "num_prompts_complete": complete,
-            "prompt_tokens_total": sum(len(i) for i in state.prompt_ids or []),
-            "bandwidth": bandwidth,
-            "memory_floor": floor,
-            "memory_floors": floors,
-            "process_peak_rss_bytes": process_peak_rss(),
-            "notes": notes,
-            **summary,
-        }
 
 
 def run_bench(cfg: BenchConfig, command: str = "") -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from specdecode.cost_model import CostModel
 from specdecode.engine.core import Engine
 from specdecode.engine.measure import CostMeasurement
 from specdecode.engine.prefix_cache import PrefixCache
+from specdecode.engine.proposer_factory import ProposerFactory, lookup_guess, proposer_factory
 from specdecode.engine.sequence import RequestOutput, Sequence
 from specdecode.engine.validation import (
     check_draft_rows,
@@ -22,7 +23,7 @@ from specdecode.engine.validation import (
     estimate_bytes,
 )
 from specdecode.fetch import resolve_model
-from specdecode.heads.modules import DraftHead, EagleHead, MedusaHeads
+from specdecode.heads.modules import DraftHead, EagleHead
 from specdecode.heads.persist import load_head
 from specdecode.heads.shipped import shipped_head
 from specdecode.log import timed_step
@@ -39,11 +40,6 @@ from specdecode.model.load import (
     resolve_quantization,
 )
 from specdecode.proposers.base import BatchProposer
-from specdecode.proposers.draft_rows import DraftModelRows
-from specdecode.proposers.eagle_rows import EagleRows
-from specdecode.proposers.heads import MedusaProposer
-from specdecode.proposers.ngram import NgramProposer
-from specdecode.proposers.rows import MedusaRows, RowProposers
 from specdecode.sampling import SamplingParams
 from specdecode.tree import MAX_TREE_NODES
 
@@ -152,38 +148,23 @@ class LLM:
         if batch_invariant:
             self.target.model.make_batch_invariant()
         self.draft: LoadedModel | None = None
-        self.batch_factory: Callable[[int], BatchProposer] | None = None
-        """max rows -> the engine's batch proposer: every row drafted together (one forward per level); None
-        without speculation."""
-        lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.draft_prompt_lookup else None
+        draft_vocab = None
         if spec is not None and spec.method == "draft":
-            assert draft_path is not None
+            assert draft_path is not None and draft_cfg is not None
             # Refuse an incompatible draft before paying for its weights.
             check_vocab_compatible(model, self.tokenizer, str(spec.model), load_tokenizer(draft_path))
-            assert draft_cfg is not None
             # Same tokenizer, differently padded embeddings: the draft drafts over the real ids only.
-            rows = check_draft_rows(model, target_cfg.vocab_size, str(spec.model), draft_cfg.vocab_size,
-                                    self.tokenizer)
+            draft_vocab = check_draft_rows(model, target_cfg.vocab_size, str(spec.model), draft_cfg.vocab_size,
+                                           self.tokenizer)
             draft_format = self.draft_quantization
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device,
                                        "gguf" if draft_format == "gguf" else "none")
             convert_linears(self.draft.model, draft_linear_format(draft_format, draft_dtype, self.device))
-            draft_model = self.draft.model
-            width, branching = spec.tree_width, spec.tree_branching
-            self.batch_factory = lambda n: DraftModelRows(draft_model, self.max_model_len, width, branching, lookup,
-                                                          vocab=rows, max_rows=n)
-        elif isinstance(self.head, EagleHead):
-            head, width, branching = self.head, spec.tree_width, spec.tree_branching
-            columns = spec.head_prompt_tokens
-            self.batch_factory = lambda n: EagleRows(head, self.max_model_len, width, branching, columns, max_rows=n)
-        elif isinstance(self.head, MedusaHeads):
-            medusa, width, branching = self.head, spec.tree_width, spec.tree_branching
-            columns = spec.head_prompt_tokens
-            self.batch_factory = lambda n: MedusaRows(lambda: MedusaProposer(medusa, width, branching, columns))
-        elif spec is not None:
-            lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
-            self.batch_factory = lambda n: RowProposers(lambda: NgramProposer(lo, hi))
-        self.lookup = lookup
+        self.batch_factory: ProposerFactory | None = proposer_factory(
+            spec, self.max_model_len, self.draft.model if self.draft is not None else None, draft_vocab, self.head)
+        """max rows -> the engine's batch proposer: every row drafted together (one forward per level); None
+        without speculation."""
+        self.lookup = lookup_guess(spec)
         self.prefix_cache = (PrefixCache(int(prefix_cache_gb * 2**30))
                              if enable_prefix_caching and prefix_cache_gb > 0 else None)
         """One pool for every engine over these weights (`generate`'s and the server's)."""
@@ -233,12 +214,12 @@ class LLM:
         """A continuous-batching engine over the same weights, for serving (the one engine core, with its own
         cache rows allocated now and its own drafting states); measures its cost unless `generate`'s covers
         as many rows."""
+        proposer = self.new_proposer(max_num_seqs)  # allocates nothing yet
         # Every row's KV cache is allocated up front: refuse now rather than run out of memory under load.
-        parts = self._row_cache_parts(max_num_seqs)
+        parts = self._row_cache_parts(max_num_seqs, proposer)
         if self.prefix_cache is not None:
             parts.append(("prefix cache", self.prefix_cache.max_bytes))
         check_memory(parts, self.device)
-        proposer = self.new_proposer(max_num_seqs)
         cost = self.cost
         if proposer is not None:
             if self.measurement is None:  # a fixed k: the server still sizes its batches by the cost
@@ -246,20 +227,14 @@ class LLM:
             cost = self._measured(max_num_seqs)
         return self._engine(proposer, cost, max_num_seqs, max_waiting, allocate=True)
 
-    def _row_cache_parts(self, rows: int) -> list[tuple[str, int]]:
-        """(label, bytes) of the caches `rows` batch rows allocate: the target's KV cache, the draft's, an EAGLE
-        head's features and cache."""
+    def _row_cache_parts(self, rows: int, proposer: BatchProposer | None) -> list[tuple[str, int]]:
+        """(label, bytes) of the caches `rows` batch rows allocate: the target's KV cache and the proposer's
+        drafting state (a draft's KV cache, a head's cache and features)."""
         slots = self.max_model_len + MAX_TREE_NODES
-        size = f"{rows} rows x {slots} slots"
         per_token = self.target.config.kv_bytes_per_token(self.dtype.itemsize)
-        parts = [(f"target KV cache ({size})", per_token * slots * rows)]
-        if self.draft is not None:
-            per_token = self.draft.config.kv_bytes_per_token(self.draft.model.dtype.itemsize)
-            parts.append((f"draft KV caches ({size})", per_token * slots * rows))
-        if isinstance(self.head, EagleHead) and self.batch_factory is not None:
-            c, width = self.head.config, self.head.dtype.itemsize
-            per_token = (c.hidden_size + 2 * c.num_kv_heads * c.head_dim) * width
-            parts.append((f"EAGLE features and cache ({size})", per_token * slots * rows))
+        parts = [(f"target KV cache ({rows} rows x {slots} slots)", per_token * slots * rows)]
+        if proposer is not None and (drafting := proposer.state_bytes(rows)):
+            parts.append((f"{proposer.name} drafting state ({rows} rows)", drafting))
         return parts
 
     def _grow_rows(self, rows: int) -> None:
@@ -268,7 +243,7 @@ class LLM:
         engine = self.engine
         have = engine.cache.batch_size if engine.cache is not None else 0
         if rows > have:
-            check_memory(self._row_cache_parts(rows), self.device,
+            check_memory(self._row_cache_parts(rows, engine.proposer), self.device,
                          f"lower max_num_seqs (now {self.max_num_seqs}: rows run at once) or max_model_len")
         m = self.measurement
         if m is not None and rows > m.rows and engine.cost is self.cost:  # not a cost the caller set

@@ -1,10 +1,10 @@
 """What every proposer offers the engine: declared capabilities, `configure`, `begin`, `propose`, `on_verified`.
 
 The engine talks to a `BatchProposer`: one object for every row of the batch, whose `propose` is one call for
-all rows (the draft model's `DraftModelRows`, EAGLE's `EagleRows`). A `Proposer` drafts for one sequence;
-`RowProposers` in proposers/rows.py builds a batch proposer from a factory of them (n-gram, Medusa). The engine
-never probes a proposer's attributes: what it may do is declared in `Capabilities`, and its costs come from
-`step_cost_hint` / `catch_up_token_seconds`.
+all rows (n-gram's `NgramRows`, the draft model's `DraftModelRows`, EAGLE's `EagleRows`, Medusa's `MedusaRows`).
+Each keeps its rows' drafting state in a dict keyed by the row's key. The engine never probes a proposer's
+attributes: what it may do is declared in `Capabilities`, its costs come from `step_cost_hint` /
+`catch_up_token_seconds`, and the memory its rows hold from `state_bytes`.
 """
 
 from __future__ import annotations
@@ -73,47 +73,6 @@ class Capabilities:
         return self.tree_width != 1
 
 
-class Proposer(Protocol):
-    """One sequence's drafter."""
-
-    name: str
-    capabilities: Capabilities
-
-    def configure(self, cost: CostModel) -> None:
-        """The engine's measured cost model (what verifying t tokens costs), once it has one."""
-
-    def begin(self, seq: SequenceView) -> None:
-        """A new sequence starts (prompt known, nothing generated)."""
-
-    def propose(self, seq: SequenceView, k: int, node_budget: int | None = None) -> Draft:
-        """Offer up to k draft tokens (a tree of depth k, of about node_budget nodes) continuing seq.token_ids."""
-
-    def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int | None = None) -> None:
-        """The last draft had num_accepted tokens kept (own_accepted of them drafted by this proposer, not
-        a grafted lookup guess); seq.token_ids already holds the step's output."""
-
-    def observe_hidden(self, hidden: torch.Tensor) -> None:
-        """The target's features [m, D] of the next m kept positions (capabilities.target_hidden)."""
-
-    def step_cost_hint(self) -> float:
-        """Seconds per drafted token (0 for free proposers); measured once at start-up."""
-
-
-class ProposerDefaults:
-    """No-op defaults of the optional parts of `Proposer` (subclass and override what applies)."""
-
-    capabilities = Capabilities()
-
-    def configure(self, cost: CostModel) -> None:
-        pass
-
-    def observe_hidden(self, hidden: torch.Tensor) -> None:
-        pass
-
-    def step_cost_hint(self) -> float:
-        return 0.0
-
-
 @dataclass
 class ProposeRow:
     """One row's request to the batch proposer in a step."""
@@ -133,24 +92,39 @@ class BatchProposer(Protocol):
     name: str
     capabilities: Capabilities
 
-    def configure(self, cost: CostModel) -> None: ...
+    def configure(self, cost: CostModel) -> None:
+        """The engine's measured cost model (what verifying t tokens costs), once it has one."""
 
     def reserve(self, rows: int) -> None:
         """Allocate the drafting state of `rows` rows now (a server's rows up front; `generate` grows on
         demand), so no admission pays for an allocation."""
 
-    def begin(self, key: int, seq: SequenceView) -> None: ...
+    def begin(self, key: int, seq: SequenceView) -> None:
+        """Row `key` starts a sequence (prompt known, nothing generated)."""
 
-    def release(self, key: int) -> None: ...
+    def release(self, key: int) -> None:
+        """Row `key` is done: its drafting state is freed for a later row."""
 
-    def propose(self, rows: list[ProposeRow]) -> list[Draft]: ...
+    def propose(self, rows: list[ProposeRow]) -> list[Draft]:
+        """Each row's draft of up to k tokens (a tree of depth k, of about node_budget nodes) continuing its
+        seq.token_ids; one draft per row, in order."""
 
-    def observe_hidden(self, key: int, hidden: torch.Tensor) -> None: ...
+    def observe_hidden(self, key: int, hidden: torch.Tensor) -> None:
+        """The target's features [m, D] of row `key`'s next m kept positions (capabilities.target_hidden)."""
 
-    def on_verified(self, key: int, seq: SequenceView, num_accepted: int, own_accepted: int) -> None: ...
+    def on_verified(self, key: int, seq: SequenceView, num_accepted: int, own_accepted: int) -> None:
+        """Row `key`'s last draft had num_accepted tokens kept (own_accepted of them drafted by this proposer,
+        not a grafted lookup guess); seq.token_ids already holds the step's output."""
 
-    def catch_up_tokens(self, key: int, seq: SequenceView) -> int: ...
+    def catch_up_tokens(self, key: int, seq: SequenceView) -> int:
+        """Tokens row `key` must feed before drafting (capabilities.catch_up; 0 otherwise)."""
 
-    def step_cost_hint(self) -> float: ...
+    def step_cost_hint(self) -> float:
+        """Seconds per drafted token (0 for free proposers); measured once."""
 
-    def catch_up_token_seconds(self) -> float: ...
+    def catch_up_token_seconds(self) -> float:
+        """Seconds per token of a catch-up forward (capabilities.catch_up; 0 otherwise)."""
+
+    def state_bytes(self, rows: int) -> int:
+        """Bytes of the drafting state `rows` rows hold once allocated (caches, the target's features), for
+        memory checks before allocating and for the benchmark's report."""

@@ -2,7 +2,7 @@
 
 The draft's KV cache has one row per running request (`RowCache`). A step catches every drafting row up
 (the prompt on its first draft, everything since it last drafted after a pause, else just the newest token)
-in one padded forward (`ragged.pack`), whose last position per row gives the first draft token; then chains
+in one padded forward (`row_packing.pack`), whose last position per row gives the first draft token; then chains
 advance every row by one forward per depth (rows riding a correct prompt-lookup guess finish in fewer), and
 trees grow every row's next level in one forward with tree attention. Each row keeps its own tree
 calibration, so its drafts do not depend on which rows share its batch (up to the float rounding of a wider
@@ -20,10 +20,10 @@ import torch
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
 from specdecode.proposers.draft_chain import ChainDraft
-from specdecode.proposers.ragged import Packed, RowInput, forward_rows
+from specdecode.proposers.nodes_worth_verifying import RowTreeValues, TreeValue, node_selector
 from specdecode.proposers.row_cache import RowCache
+from specdecode.proposers.row_packing import Packed, RowInput, forward_rows
 from specdecode.proposers.tree_growth import TreeGrower, level_width
-from specdecode.proposers.tree_value import RowTreeValues, TreeValue, node_selector
 from specdecode.tree import MAX_TREE_NODES
 
 
@@ -97,8 +97,8 @@ class DraftModelRows(RowTreeValues):
         self.max_len = max_len
         self._costs: tuple[float, float] | None = None
         """(step, catch-up per token) seconds, measured once (`draft_step_costs`)."""
-        # One slot past the largest tree: a padding query writes past a full tree's nodes.
-        self.cache = RowCache(lambda rows: model.new_cache(rows, max_len + MAX_TREE_NODES + 1), max_rows)
+        self.slots = max_len + MAX_TREE_NODES + 1  # one slot past the largest tree, for padding queries
+        self.cache = RowCache(lambda rows: model.new_cache(rows, self.slots), max_rows)
         self.rows: dict[int, _Row] = {}
         self.forwards = 0
         """Batched draft forwards so far."""
@@ -141,6 +141,10 @@ class DraftModelRows(RowTreeValues):
         self.step_cost_hint()
         assert self._costs is not None
         return self._costs[1]
+
+    def state_bytes(self, rows: int) -> int:
+        """The draft's KV cache rows (`model.new_cache`'s K and V)."""
+        return self.model.config.kv_bytes_per_token(self.model.dtype.itemsize) * self.slots * rows
 
     @torch.inference_mode()
     def propose(self, asks: list[ProposeRow]) -> list[Draft]:

@@ -2,7 +2,7 @@
 
 The head's KV cache has one row per running request (`RowCache`), holding pair j (the target's feature at
 position j + the token at j + 1) at slot j. A step feeds every drafting row's pairs not yet in its cache in
-one padded forward (`ragged.pack`; after a step, the accepted path with the target's true features), whose
+one padded forward (`row_packing.pack`; after a step, the accepted path with the target's true features), whose
 last output per row is the head's predicted feature at the pending token; then every row's tree grows one
 level per forward, each node's feature the head's own prediction at its parent. The output rows of the draft
 vocabulary are one product for every row's nodes; each row adds the columns of its own prompt's tokens, keeps
@@ -20,11 +20,11 @@ import torch
 from specdecode.heads.modules import EagleHead
 from specdecode.model.kv_cache import KVCache
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
-from specdecode.proposers.head_columns import HeadColumns
-from specdecode.proposers.ragged import Packed, RowInput, forward_rows
+from specdecode.proposers.head_logit_columns import HeadColumns
+from specdecode.proposers.nodes_worth_verifying import RowTreeValues, TreeValue, node_selector
 from specdecode.proposers.row_cache import RowCache
+from specdecode.proposers.row_packing import Packed, RowInput, forward_rows
 from specdecode.proposers.tree_growth import TreeGrower, TreeLevel, level_width
-from specdecode.proposers.tree_value import RowTreeValues, TreeValue, node_selector
 from specdecode.sampling import SamplingParams
 from specdecode.tree import MAX_TREE_NODES
 
@@ -153,6 +153,11 @@ class EagleRows(RowTreeValues):
 
     def catch_up_token_seconds(self) -> float:
         return 0.0
+
+    def state_bytes(self, rows: int) -> int:
+        """The head's KV cache rows (one layer's K and V) and the target's features kept per row."""
+        c, width = self.head.config, self.head.dtype.itemsize
+        return (c.hidden_size + 2 * c.num_kv_heads * c.head_dim) * width * self.size * rows
 
     # ---- drafting ----------------------------------------------------------------------------------------
 
