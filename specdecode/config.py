@@ -47,10 +47,6 @@ class SpeculativeConfig:
     ride along in the draft's forwards (a run the draft would have drafted anyway costs one forward). Trees
     (draft model, EAGLE, Medusa): the guess is grafted onto the tree as one more branch. Every drafter: a step
     verifies the guess alone (the drafter not run) when that promises more tokens per second than drafting."""
-    head_prompt_tokens: bool = False
-    """EAGLE and Medusa heads also score the prompt's tokens that their draft vocabulary lacks (names and words
-    an answer copies; needs a target whose output rows are its input embeddings, as Qwen2.5's). It changes what
-    the heads draft, never the output. Off by default: the prompt-lookup branch already drafts such copies."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
     draft_tree_width: int | None = None

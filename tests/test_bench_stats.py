@@ -113,9 +113,8 @@ def test_parse_method():
     assert parse_method("draft-nolookup-k4", "d").speculative_config == {
         "method": "draft", "num_speculative_tokens": 4, "model": "d", "draft_prompt_lookup": False}
     assert parse_method("eagle-nolookup", None, {"eagle": "e"}).speculative_config["draft_prompt_lookup"] is False
-    assert parse_method("eagle-nolookup-promptvocab-k3", None, {"eagle": "e"}).speculative_config == {
-        "method": "eagle", "num_speculative_tokens": 3, "model": "e", "draft_prompt_lookup": False,
-        "head_prompt_tokens": True}
+    assert parse_method("eagle-nolookup-k3", None, {"eagle": "e"}).speculative_config == {
+        "method": "eagle", "num_speculative_tokens": 3, "model": "e", "draft_prompt_lookup": False}
     assert parse_method("draft-k4~int4-hybrid", "d").speculative_config == {
         "method": "draft", "num_speculative_tokens": 4, "model": "d", "quantization": "int4-hybrid"}
     spec = parse_method("draft~int8@int8-dynamic", "d")
@@ -127,6 +126,8 @@ def test_parse_method():
     with pytest.raises(ValueError, match="--draft"):
         parse_method("draft", None)
     heads = {"eagle": "e", "medusa": "m"}
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_method("eagle-promptvocab", None, heads)
     assert parse_method("eagle", None, heads).speculative_config == {"method": "eagle", "model": "e",
                                                                       "num_speculative_tokens": "auto"}
     assert parse_method("eagle-chain-k5", None, heads).speculative_config == {

@@ -12,12 +12,12 @@ import torch
 from tiny_helpers import GREEDY, run_batched, tiny_prompts
 
 from specdecode import LLM, SamplingParams
+from specdecode.config import SpeculativeConfig
 from specdecode.heads.features import generate_features, load_shard
 from specdecode.heads.modules import IncompatibleHeadError
 from specdecode.heads.persist import load_head, new_head, save_head
 from specdecode.heads.train import Corpus, TrainOptions, _eagle_step_loss, train_head, window_batch
 from specdecode.model.load import load_model
-from specdecode.proposers.head_logit_columns import HeadColumns
 
 
 @pytest.fixture(scope="module")
@@ -44,48 +44,22 @@ def test_random_head_greedy_equals_plain(plain_tiny, tiny_llama_dir: Path, rando
     assert outs[0].metrics["draft_tokens"] >= outs[0].metrics["steps"]  # it did draft
 
 
-def test_prompt_tokens_join_the_heads_columns(tiny_tied_dir: Path, tiny_llama_dir: Path) -> None:
-    """Tokens of the prompt outside the draft vocabulary get logit columns scored by the target's own output
-    rows (= its input embeddings); an untied target gets none."""
-    target = load_model(str(tiny_tied_dir), "fp32", "cpu").model
-    head = new_head(target, "eagle", torch.arange(0, target.config.vocab_size, 2), seed=3)
-    ids, rows = head.prompt_columns([7, 2, 3, 3, 10**9, 5])
-    assert ids.tolist() == [3, 5, 7]  # odd ids only (the even ones are in the draft vocabulary); no bad ids
-    assert torch.equal(rows, target.model.embed_tokens.weight[[3, 5, 7]])
-    columns = HeadColumns(head)
-    columns.begin([3, 4, 5])
-    hidden = torch.randn(2, target.config.hidden_size)
-    logits = columns.logits(hidden)  # [2, Vd + 2]
-    assert logits.shape == (2, len(head.d2t) + 2) and columns.token_map[-2:].tolist() == [3, 5]
-    torch.testing.assert_close(logits[:, -2:], hidden @ rows[:2].T)
-    torch.testing.assert_close(logits[:, : len(head.d2t)], head.draft_logits(hidden))
-    columns = HeadColumns(head, from_prompt=False)
-    columns.begin([3, 4, 5])
-    assert columns.logits(hidden).shape == (2, len(head.d2t))
-    untied = load_model(str(tiny_llama_dir), "fp32", "cpu").model
-    head = new_head(untied, "eagle", torch.arange(0, untied.config.vocab_size, 2), seed=3)
-    assert head.prompt_columns([3, 5])[0].numel() == 0
-    # Untied in the file but the same matrix quantized twice (a GGUF of a tied model): the rows count as tied.
-    emb = untied.model.embed_tokens.weight
-    noise = torch.randn(emb.shape, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        untied.lm_head.weight.copy_(emb + 0.02 * emb.std() * noise)
-    head = new_head(untied, "eagle", torch.arange(0, untied.config.vocab_size, 2), seed=3)
-    assert head.prompt_columns([3, 5])[0].tolist() == [3, 5]
-
-
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_prompt_columns_keep_greedy_output(tiny_tied_dir: Path, tmp_path: Path, kind: str) -> None:
-    """A head over a tenth of the vocabulary, helped by the prompt's tokens: still exactly plain decoding."""
+def test_small_vocab_head_on_tied_target_keeps_greedy_output(tiny_tied_dir: Path, tmp_path: Path, kind: str) -> None:
+    """A head over a tenth of a tied target's vocabulary: still exactly plain decoding."""
     plain = LLM(str(tiny_tied_dir), dtype="fp32")
     prompts = tiny_prompts(plain)
     ref = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     target = load_model(str(tiny_tied_dir), "fp32", "cpu").model
     save_head(new_head(target, kind, torch.arange(0, target.config.vocab_size, 10), seed=2), tmp_path)
-    for extra in (True, False):
-        spec = {"method": kind, "model": str(tmp_path), "num_speculative_tokens": 3, "head_prompt_tokens": extra}
-        outs = LLM(str(tiny_tied_dir), dtype="fp32", speculative_config=spec).generate(prompts, GREEDY)
-        assert [o.token_ids for o in outs] == ref
+    spec = {"method": kind, "model": str(tmp_path), "num_speculative_tokens": 3}
+    outs = LLM(str(tiny_tied_dir), dtype="fp32", speculative_config=spec).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+
+
+def test_head_prompt_tokens_is_an_unknown_key() -> None:
+    with pytest.raises(ValueError, match=r"unknown speculative config keys \['head_prompt_tokens'\]"):
+        SpeculativeConfig.from_any({"method": "eagle", "head_prompt_tokens": True})
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])

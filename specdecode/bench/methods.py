@@ -9,13 +9,12 @@ from typing import Any
 from specdecode.config import DRAFT_QUANTIZATIONS, QUANTIZATIONS
 
 _METHOD_RE = re.compile(
-    r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree|-w\d+)?(?:-b(\d+))?(-nolookup)?(-promptvocab)?(?:-k(\d+))?$")
+    r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree|-w\d+)?(?:-b(\d+))?(-nolookup)?(?:-k(\d+))?$")
 METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
                "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default), -wN a tree "
                "keeping N nodes per level (e.g. eagle-w2-k4: at most 8 nodes, like the chain eagle-chain-k8), -bN "
                "expanding each tree node into its top N tokens (default 4 for eagle, 2 otherwise); "
-               "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; -promptvocab (eagle, medusa) "
-               "also drafts the prompt's tokens the head's vocabulary lacks (head_prompt_tokens); "
+               "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; "
                ":LABEL uses the head given as --head LABEL=DIR (eagle:v4; compares heads in one run); "
                "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4, plain@gguf: the GGUF's "
                "own blocks; default exact); "
@@ -55,11 +54,10 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
     name, _, label = name.partition(":")
     m = _METHOD_RE.match(name)
     if (m is None or (m.group(1) in ("plain", "ngram") and (m.group(2) or m.group(3)))
-            or (m.group(1) == "plain" and m.group(6))
-            or (m.group(4) and m.group(1) not in ("draft", "eagle", "medusa"))
-            or (m.group(5) and m.group(1) not in ("eagle", "medusa"))):
+            or (m.group(1) == "plain" and m.group(5))
+            or (m.group(4) and m.group(1) not in ("draft", "eagle", "medusa"))):
         raise ValueError(f"unknown method {name!r}: {METHOD_HELP}")
-    kind, shape, branching, nolookup, promptvocab, k = m.groups()
+    kind, shape, branching, nolookup, k = m.groups()
     if label and kind not in ("eagle", "medusa"):
         raise ValueError(f"method {name!r}: only eagle and medusa take a head label (:{label})")
     full_name = f"{name}:{label}" if label else name
@@ -84,6 +82,4 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         cfg["draft_tree_branching"] = int(branching)
     if nolookup:
         cfg["draft_prompt_lookup"] = False
-    if promptvocab:
-        cfg["head_prompt_tokens"] = True
     return MethodSpec(full_name, cfg)

@@ -41,10 +41,9 @@ def proposer_factory(spec: SpeculativeConfig | None, max_len: int, draft: Transf
         lookup = lookup_guess(spec)
         return lambda rows: DraftModelRows(draft, max_len, width, branching, lookup, vocab=draft_vocab,
                                            max_rows=rows)
-    columns = spec.head_prompt_tokens
     if isinstance(head, EagleHead):
-        return lambda rows: EagleRows(head, max_len, width, branching, columns, max_rows=rows)
+        return lambda rows: EagleRows(head, max_len, width, branching, max_rows=rows)
     if isinstance(head, MedusaHeads):
-        return lambda rows: MedusaRows(head, width, branching, columns)
+        return lambda rows: MedusaRows(head, width, branching)
     lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
     return lambda rows: NgramRows(lo, hi)

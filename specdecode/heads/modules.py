@@ -16,23 +16,6 @@ class IncompatibleHeadError(ValueError):
     """A head trained for another target, or a file that is not a head."""
 
 
-TIED_MIN_COSINE = 0.99
-"""Output rows this close to the input embeddings (cosine, every sampled row) are the same matrix quantized
-twice: a GGUF of a tied model stores it once per use (Qwen2.5-Coder-1.5B: Q6_K output, Q4_K embeddings,
-cosine >= 0.9958 on all 151936 rows; unrelated rows ~0.16)."""
-
-
-def rows_match(output: torch.Tensor, embeddings: torch.Tensor, samples: int = 1024) -> bool:
-    """The output matrix [V, D] is the embedding table [V, D] up to quantization, judged on evenly spaced rows."""
-    if output.shape != embeddings.shape:
-        return False
-    idx = torch.linspace(0, output.shape[0] - 1, min(samples, output.shape[0])).long()
-    out, emb = output[idx].float(), embeddings[idx].float()
-    used = (out.norm(dim=-1) > 0) & (emb.norm(dim=-1) > 0)  # a padding row may be zeroed in one of them
-    cos = F.cosine_similarity(out[used], emb[used], dim=-1)
-    return bool(used.any()) and bool((cos >= TIED_MIN_COSINE).all())
-
-
 class DraftHead(nn.Module):
     """What EAGLE and Medusa heads share: the draft vocabulary (`d2t`: draft row -> target id) and an
     output matrix made of the target's rows for those ids."""
@@ -46,8 +29,6 @@ class DraftHead(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         self.target_vocab_size = 0
-        self._rows_are_embeddings = False
-        self._in_draft_vocab = torch.zeros(0, dtype=torch.bool)
         # The target's decoder body, for its embeddings (in a list: not a submodule of the head). Looked up at
         # each call, so the copy a quantizing conversion makes of the table is followed (a stored tensor would
         # keep the old one, and with it the whole weights file, in memory).
@@ -79,28 +60,7 @@ class DraftHead(nn.Module):
         self.lm_head.weight = nn.Parameter(weight.detach()[d2t].to(self.dtype).clone(), requires_grad=False)
         self._target_body = [target.model]
         self.target_vocab_size = target.config.vocab_size
-        self._rows_are_embeddings = target.config.tie_word_embeddings or rows_match(
-            weight, target.model.embed_tokens.weight)
-        self._in_draft_vocab = torch.zeros(self.target_vocab_size, dtype=torch.bool)
-        self._in_draft_vocab[self.d2t.cpu()] = True
         return self
-
-    def prompt_columns(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens of `token_ids` outside the draft vocabulary [m] and the target's output rows for them
-        [m, D], to score beside the draft vocabulary for one request. Answers copy names and words from their
-        prompt that a vocabulary chosen by training frequency lacks: 16% of the shipped head's answer tokens on
-        Spec-Bench were out of its reach, 6% once the prompt's tokens join. The head predicts the target's
-        feature, so the target's rows score tokens it never trained on too. Empty unless the target's output
-        rows are its input embeddings (tied, or equal up to quantization: `rows_match`), which the head borrows
-        anyway: no extra copy of the matrix."""
-        assert self._target_body, "attach() the head to its target first"
-        ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
-        ids = ids[(ids >= 0) & (ids < self.target_vocab_size)]
-        if not self._rows_are_embeddings or ids.numel() == 0:
-            ids = ids[:0]
-        ids = ids[~self._in_draft_vocab[ids]]
-        ids = ids.to(self.device)
-        return ids, self.embed(ids).to(self.dtype)  # [m], [m, D]
 
     def saved_state(self) -> dict[str, torch.Tensor]:
         """Everything but the borrowed output rows (they are rebuilt from the target at load)."""

@@ -127,7 +127,6 @@ class Eagle3Head(_OwnEmbedding, EagleHead):
         own = self.lm_head.weight.detach().clone()
         super().attach(target)
         self.lm_head.weight = nn.Parameter(own, requires_grad=False)  # its own rows, not the target's
-        self._rows_are_embeddings = False  # prompt columns would score with the target's rows: none
         return self
 
     def forward(
@@ -170,7 +169,6 @@ class PublicMedusaHeads(MedusaHeads):
     def attach(self, target: Transformer) -> PublicMedusaHeads:
         super().attach(target)
         self.lm_head = nn.Identity()  # type: ignore[assignment]  # unused: each head has its own rows
-        self._rows_are_embeddings = False
         return self
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,8 @@ position j + the token at j + 1) at slot j. A step feeds every drafting row's pa
 one padded forward (`row_packing.pack`; after a step, the accepted path with the target's true features), whose
 last output per row is the head's predicted feature at the pending token; then every row's tree grows one
 level per forward, each node's feature the head's own prediction at its parent. The output rows of the draft
-vocabulary are one product for every row's nodes; each row adds the columns of its own prompt's tokens, keeps
-its own tree calibration, and so drafts what it drafts alone (up to the float rounding of a wider forward).
+vocabulary are one product for every row's nodes; each row keeps its own tree calibration, and so drafts what
+it drafts alone (up to the float rounding of a wider forward).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 from specdecode.heads.modules import EagleHead
 from specdecode.model.kv_cache import KVCache
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
-from specdecode.proposers.head_logit_columns import HeadColumns
 from specdecode.proposers.nodes_worth_verifying import RowTreeValues, TreeValue, node_selector
 from specdecode.proposers.row_cache import RowCache
 from specdecode.proposers.row_packing import Packed, RowInput, forward_rows
@@ -51,7 +50,6 @@ class _Row:
 
     slot: int
     """Its row of the head's cache and of the feature store."""
-    columns: HeadColumns
     tree_value: TreeValue | None = None
     num_features: int = 0
     """Positions [0, num_features) whose target feature is known."""
@@ -65,9 +63,9 @@ class EagleRows(RowTreeValues):
     name = "eagle"
 
     def __init__(self, head: EagleHead, max_len: int, tree_width: int = 0, tree_branching: int = 4,
-                 prompt_columns: bool = True, max_rows: int | None = None) -> None:
+                 max_rows: int | None = None) -> None:
         self.head = head
-        self.tree_width, self.tree_branching, self.prompt_columns = tree_width, tree_branching, prompt_columns
+        self.tree_width, self.tree_branching = tree_width, tree_branching
         self.capabilities = Capabilities(tree_width=tree_width, target_hidden=True)
         self.size = max_len + MAX_TREE_NODES + 1  # one slot past the largest tree, for padding queries
         c = head.config
@@ -88,9 +86,7 @@ class EagleRows(RowTreeValues):
         if slot not in self.features:
             self.features[slot] = torch.zeros(self.size, self.head.config.hidden_size, dtype=self.head.dtype,
                                               device=self.head.device)
-        columns = HeadColumns(self.head, self.prompt_columns)
-        columns.begin(seq.token_ids[: seq.prompt_len])
-        self.rows[key] = _Row(slot, columns, self._tree_value())
+        self.rows[key] = _Row(slot, self._tree_value())
 
     def release(self, key: int) -> None:
         row = self.rows.pop(key, None)
@@ -133,7 +129,6 @@ class EagleRows(RowTreeValues):
         each forward (row packing, masks, output columns, growth), a large share of a level on a CPU."""
         key = -1  # no engine row has a negative key
         context = max(2, min(context, self.size - MAX_TREE_NODES - depth - 2))  # a short max_len leaves less room
-        # Distinct tokens: the prompt's own output columns, as a prompt has.
         ids = [i % self.head.target_vocab_size for i in range(10, 10 + context + 1)]
         view = SequenceView(ids, context, SamplingParams(temperature=0.0), torch.Generator())
         self.begin(key, view)
@@ -168,7 +163,7 @@ class EagleRows(RowTreeValues):
         if not work:
             return drafts
         roots = self._catch_up(asks, work)
-        root_logits = self._logits(work, asks, roots)
+        root_logits = self._logits(work, roots)
         growers: dict[int, TreeGrower] = {}
         node_features: dict[int, dict[int, torch.Tensor]] = {}
         for i in work:
@@ -176,7 +171,7 @@ class EagleRows(RowTreeValues):
             select = node_selector(row.tree_value, self.tree_width, lambda k=ask.k: k * self.step_cost_hint(),
                                    ask.node_budget)
             growers[i] = TreeGrower(root_logits[i], ask.k, level_width(self.tree_width, ask.node_budget, ask.k),
-                                    self.tree_branching, row.num_cached, row.columns.token_map, select)
+                                    self.tree_branching, row.num_cached, self.head.d2t, select)
             node_features[i] = {0: roots[i]}
         levels = {i: growers[i].next_level() for i in work}
         while active := [i for i in work if levels[i] is not None]:
@@ -191,7 +186,7 @@ class EagleRows(RowTreeValues):
             for i in active:
                 for r, idx in enumerate(levels[i].nodes):  # type: ignore[union-attr]
                     node_features[i][idx] = outs[i][r]
-            logits = self._logits(active, asks, outs)
+            logits = self._logits(active, outs)
             for i in active:
                 growers[i].expanded(logits[i])
                 levels[i] = growers[i].next_level()
@@ -241,14 +236,9 @@ class EagleRows(RowTreeValues):
         span = self.cache.span
         return forward_rows(feeds, span, [valid.get(r, 0) for r in range(span)], run)
 
-    def _logits(self, which: list[int], asks: list[ProposeRow], hidden: dict[int, torch.Tensor]
-                ) -> dict[int, torch.Tensor]:
-        """Each row's logits over its columns, the draft vocabulary's for every row in one product."""
+    def _logits(self, which: list[int], hidden: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Each row's logits over the draft vocabulary, every row's in one product."""
         stacked = torch.cat([hidden[i].reshape(-1, hidden[i].shape[-1]) for i in which])  # [N, D]
         small = self.head.draft_logits(stacked).split([hidden[i].reshape(-1, stacked.shape[-1]).shape[0]
                                                        for i in which])
-        out = {}
-        for i, s in zip(which, small, strict=True):
-            h = hidden[i]
-            out[i] = self.rows[asks[i].key].columns.logits(h, s.reshape(*h.shape[:-1], -1))
-        return out
+        return {i: s.reshape(*hidden[i].shape[:-1], -1) for i, s in zip(which, small, strict=True)}

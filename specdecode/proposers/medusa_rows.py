@@ -2,9 +2,8 @@
 further; every drafting row's heads run in one forward over the rows' newest features.
 
 The engine hands the target's final-norm hidden state of every position it keeps (`observe_hidden`), so
-drafting needs no second model of the target's size and no cache: a row keeps its newest feature, its logit
-columns (the prompt's tokens outside the draft vocabulary) and its tree calibration, so it drafts what it drafts
-alone (up to the float rounding of a wider forward).
+drafting needs no second model of the target's size and no cache: a row keeps its newest feature and its tree
+calibration, so it drafts what it drafts alone (up to the float rounding of a wider forward).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import torch
 
 from specdecode.heads.modules import MedusaHeads
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
-from specdecode.proposers.head_logit_columns import HeadColumns
 from specdecode.proposers.nodes_worth_verifying import RowTreeValues, TreeValue, node_selector
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, TreeLevel, grow_tree, level_width
 
@@ -40,7 +38,6 @@ def medusa_head_seconds(head: MedusaHeads) -> float:
 class _Row:
     """One request's drafting state."""
 
-    columns: HeadColumns
     tree_value: TreeValue | None = None
     last: torch.Tensor | None = None
     """[D] the target's feature at the newest kept position (None until the prefill's arrives)."""
@@ -53,10 +50,9 @@ class MedusaRows(RowTreeValues):
 
     name = "medusa"
 
-    def __init__(self, head: MedusaHeads, tree_width: int = 0, tree_branching: int = 2,
-                 prompt_columns: bool = True) -> None:
+    def __init__(self, head: MedusaHeads, tree_width: int = 0, tree_branching: int = 2) -> None:
         self.head = head
-        self.tree_width, self.tree_branching, self.prompt_columns = tree_width, tree_branching, prompt_columns
+        self.tree_width, self.tree_branching = tree_width, tree_branching
         self.capabilities = Capabilities(tree_width=tree_width, target_hidden=True)
         self.rows: dict[int, _Row] = {}
         self._cost = 0.0
@@ -67,9 +63,7 @@ class MedusaRows(RowTreeValues):
         pass  # a row's state is made at begin and holds no cache
 
     def begin(self, key: int, seq: SequenceView) -> None:
-        columns = HeadColumns(self.head, self.prompt_columns)
-        columns.begin(seq.token_ids[: seq.prompt_len])
-        self.rows[key] = _Row(columns, self._tree_value())
+        self.rows[key] = _Row(self._tree_value())
 
     def release(self, key: int) -> None:
         self.rows.pop(key, None)
@@ -97,7 +91,7 @@ class MedusaRows(RowTreeValues):
         return 0.0
 
     def state_bytes(self, rows: int) -> int:
-        return 0  # no cache: a row keeps one feature vector and the prompt's few extra output rows
+        return 0  # no cache: a row keeps one feature vector
 
     # ---- drafting ----------------------------------------------------------------------------------------
 
@@ -114,12 +108,12 @@ class MedusaRows(RowTreeValues):
     def _tree(self, row: _Row, features: torch.Tensor, k: int, node_budget: int | None) -> Draft:
         """The row's tree from the heads' features [K, D] at its newest kept position."""
         depth = min(k, len(self.head.blocks))
-        logits = row.columns.logits(features[:depth])  # [depth, Vd + extra columns]
+        logits = self.head.draft_logits(features[:depth])  # [depth, Vd]
 
         def expand(level: TreeLevel) -> torch.Tensor:
             return logits[level.level + 1].expand(len(level.nodes), -1)
 
         width = level_width(self.tree_width, DEFAULT_NODE_BUDGET if node_budget is None else node_budget, depth)
-        return grow_tree(logits[0], depth, width, self.tree_branching, 1, expand, token_map=row.columns.token_map,
+        return grow_tree(logits[0], depth, width, self.tree_branching, 1, expand, token_map=self.head.d2t,
                          select=node_selector(row.tree_value, self.tree_width, lambda: depth * self.step_cost_hint(),
                                               node_budget))
