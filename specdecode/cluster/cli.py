@@ -19,6 +19,7 @@ from typing import Any
 from specdecode.cli_args import cache_kwargs, speculative_config_from_args
 from specdecode.cluster.config import ClusterConfig
 from specdecode.cluster.routing import DEFAULT_PREFIX_CHARS
+from specdecode.extras import missing_extra
 from specdecode.server.serve_args import add_serve_subparser
 
 logger = logging.getLogger("specdecode.cluster")
@@ -79,7 +80,7 @@ class ClusterServer:
             import ray
             from ray import serve  # noqa: F401
         except ImportError as exc:
-            raise ValueError(f"--replicas needs Ray Serve: pip install 'specdecode[cluster]' ({exc})") from None
+            raise ValueError(f"--replicas needs Ray Serve: {missing_extra('cluster', exc)}") from None
 
         if self.ray_address is not None:
             ray.init(address=self.ray_address, log_to_driver=False)

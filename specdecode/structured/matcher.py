@@ -51,8 +51,8 @@ def _import_llguidance() -> Any:
         import llguidance
         import llguidance.hf
     except ImportError:  # pragma: no cover - depends on the install
-        raise ValueError("structured outputs need the grammar engine: pip install 'specdecode[serve]' "
-                         "(or pip install llguidance)") from None
+        raise ValueError("structured outputs need the grammar engine: pip install llguidance (or, in a specdecode "
+                         "checkout, pip install -e '.[serve]')") from None
     return llguidance
 
 
