@@ -15,6 +15,7 @@ from specdecode.cli_args import (
     add_cache_args,
     add_model_args,
     add_sampling_args,
+    add_threads_arg,
     cache_kwargs,
     fit_to_context,
     sampling_params_from_args,
@@ -33,6 +34,7 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("chat", help="chat with a model in the terminal (multi-turn, streamed)",
                        description=f"Interactive multi-turn chat with streamed replies. {COMMANDS_HELP}.")
     add_model_args(c)
+    add_threads_arg(c)
     add_cache_args(c)
     c.add_argument("--system", default=None, help="system prompt that opens every conversation")
     add_sampling_args(c)

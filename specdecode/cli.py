@@ -1,7 +1,8 @@
 """Command line: `specdecode fetch|generate|chat|bench|serve|train-head ...`.
 
 Each subcommand lives in its own module with its `add_*_parser` (which sets the `func` that runs it); this module
-builds the top-level parser from them, sets up logging and turns the user's errors into messages.
+builds the top-level parser from them, applies `--threads`, sets up logging and turns the user's errors into
+messages.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import argparse
 import sys
 from typing import Any
 
+from specdecode import __version__
 from specdecode.bench.cli import add_bench_parser
 from specdecode.chat_cli import add_chat_parser
+from specdecode.cli_args import apply_threads
 from specdecode.fetch import KNOWN_MODELS, FetchError, fetch_model
 from specdecode.generate_cli import add_generate_parser
 from specdecode.log import cli_logging, verbosity_level
@@ -28,8 +31,8 @@ def _add_verbosity_args(p: argparse.ArgumentParser, default: Any) -> None:
 
 
 def _add_fetch_parser(sub: argparse._SubParsersAction) -> None:
-    f = sub.add_parser("fetch", help="download and verify a known model into the cache")
-    f.add_argument("name", help=f"one of: {', '.join(KNOWN_MODELS)}")
+    f = sub.add_parser("fetch", help="download and verify a known model (or a Hugging Face GGUF) into the cache")
+    f.add_argument("name", help=f"one of: {', '.join(KNOWN_MODELS)}; or a Hugging Face id such as ORG/NAME:Q4_K_M")
     f.set_defaults(func=_run_fetch_command)
 
 
@@ -40,6 +43,7 @@ def _run_fetch_command(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Speculative decoding inference engine")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _add_verbosity_args(parser, default=None)
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser in (_add_fetch_parser, add_generate_parser, add_chat_parser, add_bench_parser, add_serve_parser,
@@ -60,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if hasattr(args, "threads"):  # the commands that run a model; set before any model loads
+        apply_threads(args.threads)
     try:
         return args.func(args)
     except (ValueError, FetchError, MemoryError, OSError) as exc:

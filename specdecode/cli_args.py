@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB, METHODS, TARGET_QUANTIZATIONS
@@ -44,15 +45,58 @@ class _ModelPart(argparse.Action):
             ns.model = base
 
 
+def physical_cores() -> int:
+    """The CPU's physical cores, else its logical ones: a core's hyper-threads share its arithmetic units, so more
+    compute threads than cores only add contention."""
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """`--threads` when not given: $OMP_NUM_THREADS where it is set (the knob torch and OpenMP already honour),
+    else the physical cores."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(env) if env.isdigit() and int(env) > 0 else physical_cores()
+
+
+def _thread_count(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """`--threads N`, for every command that runs a model (`cli` applies it before the command runs)."""
+    p.add_argument("--threads", type=_thread_count, default=None, metavar="N",
+                   help="CPU threads of torch and of the native kernels (default: $OMP_NUM_THREADS if set, "
+                        "else the physical cores)")
+
+
+def apply_threads(threads: int | None) -> int:
+    """Set the compute threads: torch's intra-op pool, whose count the C kernels also take for their OpenMP
+    regions (`torch.get_num_threads()` at each call), so one setting covers both. Returns the count."""
+    import torch
+
+    n = threads or default_threads()
+    torch.set_num_threads(n)
+    return n
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The target, its precision and format, and the speculative config's shorthands."""
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", action=_ModelPart,
-                   help="target: alias, .gguf file, HF directory or HF id ORG/NAME[@REVISION][:FILE.gguf] "
+                   help="target: alias, .gguf file, HF directory or HF id ORG/NAME[@REVISION][:FILE.gguf|:QUANT] "
                         "(default: %(default)s)")
     p.add_argument("--revision", default=None, action=_ModelPart,
                    help="Hugging Face id only: branch, tag or commit of --model (same as ORG/NAME@REVISION)")
     p.add_argument("--gguf-file", default=None, action=_ModelPart,
-                   help="Hugging Face id only: the .gguf file of the repo to load (same as ORG/NAME:FILE.gguf)")
+                   help="Hugging Face id only: the repo's .gguf file, or a quantization tag such as Q4_K_M (same as "
+                        "ORG/NAME:FILE.gguf, ORG/NAME:Q4_K_M)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="target precision")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None, help="context to allocate (default 8192)")

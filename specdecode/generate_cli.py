@@ -9,6 +9,7 @@ import sys
 from specdecode.cli_args import (
     add_model_args,
     add_sampling_args,
+    add_threads_arg,
     fit_to_context,
     sampling_params_from_args,
     speculative_config_from_args,
@@ -23,6 +24,7 @@ STATS_KEYS = ["prompt_tokens", "output_tokens", "seconds", "tokens_per_second", 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt")
     add_model_args(g)
+    add_threads_arg(g)
     g.add_argument("prompt", help="prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_args(g)

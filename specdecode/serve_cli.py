@@ -13,7 +13,7 @@ import ipaddress
 import logging
 import sys
 
-from specdecode.cli_args import cache_kwargs, speculative_config_from_args
+from specdecode.cli_args import add_threads_arg, cache_kwargs, speculative_config_from_args
 from specdecode.cluster import cli as cluster_cli
 from specdecode.extras import missing_extra
 from specdecode.server.serve_args import add_serve_subparser
@@ -21,6 +21,7 @@ from specdecode.server.serve_args import add_serve_subparser
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s = add_serve_subparser(sub)
+    add_threads_arg(s)  # this process's; each replica of a cluster has --replica-threads
     cluster_cli.add_cluster_args(s)
     s.set_defaults(func=run_serve_command)
 

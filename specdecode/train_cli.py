@@ -6,6 +6,8 @@ import argparse
 import re
 from pathlib import Path
 
+from specdecode.cli_args import add_threads_arg
+
 DEFAULT_DATA_TOKENS = 163840
 
 
@@ -65,7 +67,7 @@ def add_train_head_parser(sub: argparse._SubParsersAction) -> None:
                    help="fine-tune this saved head (same kind and target) instead of starting from random weights; "
                         "its sizes and draft vocabulary are kept (the latter widened by --draft-vocab-first)")
     p.add_argument("--budget-minutes", type=float, default=None, help="stop training after this long (resumable)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    add_threads_arg(p)
     p.set_defaults(func=run_train_head)
 
 
@@ -167,8 +169,6 @@ def _self_distilled_shards(args: argparse.Namespace, data_dir: Path, layers: lis
 
 
 def run_train_head(args: argparse.Namespace) -> int:
-    import torch
-
     from specdecode.heads.config import parse_feature_layers
     from specdecode.heads.features import generate_features
     from specdecode.heads.fingerprint import target_fingerprint
@@ -178,8 +178,6 @@ def run_train_head(args: argparse.Namespace) -> int:
     from specdecode.model.fast_linear import convert_linears, target_linear_format
     from specdecode.model.load import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     data_dir = args.data_dir or default_data_dir(args.target)
     for path in seed_data_dir(data_dir, args.target):
         print(f"using the repository's saved texts: {path}")

@@ -97,11 +97,12 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
+def _one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # Unit tests use small tensors: on a shared 2-core machine a second OpenMP thread only adds barrier
-    # stalls (measured 5-10x slower forwards under load). Restored afterwards.
+    # stalls (measured 5-10x slower forwards under load). Restored afterwards. The CLI's `--threads` default too.
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
+    monkeypatch.setattr("specdecode.cli_args.default_threads", lambda: 1)
     yield
     torch.set_num_threads(prev)
 

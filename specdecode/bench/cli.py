@@ -17,6 +17,7 @@ from pathlib import Path
 
 from specdecode.bench.datasets import DATASETS
 from specdecode.bench.methods import METHOD_HELP
+from specdecode.cli_args import add_threads_arg
 
 
 def _csv(value: str) -> list[str]:
@@ -56,6 +57,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="target precision")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     b.add_argument("--max-model-len", type=int, default=None, help="context to allocate (default 8192)")
+    add_threads_arg(b)  # the peers run on as many (recorded in summary.json's machine.torch_threads)
     b.add_argument("--peers", type=_csv, default=[],
                    help="comma list of peer engines: transformers, llama.cpp (each skipped with a note if its "
                         "package is missing)")
@@ -146,7 +148,8 @@ def _command_line(args: argparse.Namespace) -> str:
                 "--tasks": ",".join(args.tasks) if args.tasks else None, "--per-task": args.per_task,
                 "--limit": args.limit, "--max-tokens": args.max_tokens, "--temperature": args.temperature,
                 "--seed": args.seed, "--dtype": args.dtype, "--device": args.device,
-                "--max-model-len": args.max_model_len, "--peers": ",".join(args.peers) if args.peers else None,
+                "--max-model-len": args.max_model_len, "--threads": args.threads,
+                "--peers": ",".join(args.peers) if args.peers else None,
                 "--bandwidth-gb": args.bandwidth_gb,
                 "--peer-methods": ",".join(args.peer_methods) if args.peer_methods else None,
                 "--round-size": args.round_size, "--redo": ",".join(args.redo) if args.redo else None}

@@ -39,7 +39,7 @@ def machine_info() -> dict[str, Any]:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "cpu": _cpu_model(),
         "logical_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(),  # `--threads`: torch's, the native kernels' and the peers'
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -29,6 +29,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from specdecode import __version__
 from specdecode.cluster.config import ClusterConfig
 from specdecode.cluster.merge import merge_metrics
 from specdecode.cluster.registry import ROUTER_REGISTRY, live_replicas
@@ -337,7 +338,7 @@ class Ingress:
     # ---- the app ----------------------------------------------------------------------------------------
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = FastAPI(title="specdecode cluster", version="0.1.0", docs_url=None, redoc_url=None,
+        app = FastAPI(title="specdecode cluster", version=__version__, docs_url=None, redoc_url=None,
                       openapi_url=None)
         ingress = self
 

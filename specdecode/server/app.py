@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from specdecode import __version__
 from specdecode.engine.core import Engine as BatchEngine
 from specdecode.engine.llm import LLM
 from specdecode.server.engine_requests import prepare_chat, prepare_completion
@@ -90,7 +91,7 @@ def build_app(
             state.engine.stop()
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="specdecode", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="specdecode", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API over a speculative-decoding engine.")
     app.state.server = state
     app.state.engine = state.engine
