@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from specdecode import LLM, SamplingParams
 from specdecode.engine.core import Engine
 from specdecode.engine.sequence import Sequence
-from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
+from specdecode.proposers.base import Draft, ProposeRow, SequenceView
+from specdecode.proposers.ngram import NgramRows
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -85,22 +86,14 @@ class SequenceDrafter(Protocol):
     def on_verified(self, seq: SequenceView, num_accepted: int, own_accepted: int) -> None: ...
 
 
-class DrafterRows:
+class DrafterRows(NgramRows):
     """A `BatchProposer` of chains over per-sequence test drafters: `factory()` makes each row's drafter at
-    `begin`. Free (no cost, no cache, no catch-up), reads no hidden states."""
-
-    capabilities = Capabilities()
+    `begin`. Free like the n-gram proposer (no cost, no cache, no catch-up), it reads no hidden states."""
 
     def __init__(self, factory: Callable[[], SequenceDrafter]) -> None:
         self.factory = factory
         self.name = factory().name
         self.rows: dict[int, SequenceDrafter] = {}
-
-    def configure(self, cost: Any) -> None:
-        pass
-
-    def reserve(self, rows: int) -> None:
-        pass
 
     def begin(self, key: int, seq: SequenceView) -> None:
         self.rows[key] = self.factory()
@@ -112,20 +105,5 @@ class DrafterRows:
     def propose(self, rows: list[ProposeRow]) -> list[Draft]:
         return [self.rows[r.key].propose(r.seq, r.k, r.node_budget) for r in rows]
 
-    def observe_hidden(self, key: int, hidden: torch.Tensor) -> None:
-        pass
-
     def on_verified(self, key: int, seq: SequenceView, num_accepted: int, own_accepted: int) -> None:
         self.rows[key].on_verified(seq, num_accepted, own_accepted)
-
-    def catch_up_tokens(self, key: int, seq: SequenceView) -> int:
-        return 0
-
-    def step_cost_hint(self) -> float:
-        return 0.0
-
-    def catch_up_token_seconds(self) -> float:
-        return 0.0
-
-    def state_bytes(self, rows: int) -> int:
-        return 0
