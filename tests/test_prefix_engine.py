@@ -5,7 +5,9 @@ in chunks while a running row keeps getting tokens, and a soak of mixed requests
 
 from __future__ import annotations
 
+import hashlib
 import random
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine import prefix_cache
 from specdecode.engine.core import Engine
 from specdecode.engine.sequence import Sequence
 
@@ -130,6 +133,34 @@ def test_chunked_prefill_interleaves_with_a_running_row(tiny_llama_dir: Path) ->
     assert [o.token_ids for o in whole.generate([[5, 6, 7]], _params(40))] == [short.output_ids]
     assert [o.token_ids for o in whole.generate([[8, 9]], _params(4))] == [brief.output_ids]
     assert [o.token_ids for o in whole.generate([long_prompt], _params(10))] == [long.output_ids]
+
+
+def _sorted_digest(parent: bytes, tokens: list[int]) -> bytes:
+    """A weak digest: any permutation of a block, after the same (or a colliding) parent, collides."""
+    return hashlib.blake2b(parent + array("q", sorted(tokens)).tobytes(), digest_size=16).digest()
+
+
+@pytest.mark.parametrize(("digest", "blocks"), [("sorted", 3), ("sorted", 1000), ("constant", 1000)])
+def test_colliding_keys_change_no_output(digest: str, blocks: int, tiny_llama_dir: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced key collisions (a weak digest; a tiny pool that evicts, or a roomy one) never reuse K/V computed
+    after other tokens: every output equals plain decoding's."""
+    weak = _sorted_digest if digest == "sorted" else lambda parent, tokens: bytes(16)
+    monkeypatch.setattr(prefix_cache, "block_digest", weak)
+    head, mid, other = SYSTEM[:16], SYSTEM[16:32], list(range(200, 216))
+    flipped = head[::-1]  # collides with head, and so does every block after each
+    # The third prompt is the attack's victim: the second's `other` block, computed after `flipped`, must not
+    # pass for the one after `head`.
+    prompts = [head + mid + [100], flipped + other + [101], head + other + [102, 7], flipped + mid + [103],
+               flipped[:8] + head[8:] + mid + [104], head + mid[::-1] + [105]]
+    plain = LLM(str(tiny_llama_dir), dtype="fp32", enable_prefix_caching=False, max_num_batched_tokens=None)
+    want = [o.token_ids for o in plain.generate(prompts, _params(8))]
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              prefix_cache_gb=blocks * 16 * llm_kv_bytes(tiny_llama_dir) / 2**30, max_num_batched_tokens=16)
+    seqs = _drive(llm, llm.batch_engine(max_num_seqs=2), prompts, [8] * len(prompts))
+    assert [s.output_ids for s in seqs] == want
+    if digest == "sorted" and blocks > 3:  # honest reuse still works: the head's block is read
+        assert seqs[2].cached_tokens >= 16
 
 
 def test_cached_tokens_in_request_metrics(tiny_llama_dir: Path) -> None:

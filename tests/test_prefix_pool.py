@@ -1,10 +1,11 @@
-"""The prefix cache's pool on its own: chained block keys, longest-chain match, LRU eviction tail first, the bound."""
+"""The prefix cache's pool on its own: chained block keys, longest-chain match, LRU eviction tail first, the bound
+(tests/test_prefix_keys.py: keys that cannot be forged, cache salts)."""
 
 from __future__ import annotations
 
 import torch
 
-from specdecode.engine.prefix_cache import PrefixCache, chain_hashes
+from specdecode.engine.prefix_cache import PrefixCache, chain_keys
 
 BLOCK = 4
 
@@ -20,10 +21,10 @@ def _reader(tag: float, features: bool = False):  # noqa: ANN202
 BLOCK_BYTES = 2 * 1 * 1 * BLOCK * 2 * 4  # k and v, fp32
 
 
-def test_chain_hashes_name_whole_prefixes() -> None:
-    a = chain_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], BLOCK)
-    b = chain_hashes([1, 2, 3, 4, 5, 6, 7, 8], BLOCK)
-    c = chain_hashes([0, 2, 3, 4, 5, 6, 7, 8], BLOCK)
+def test_chain_keys_name_whole_prefixes() -> None:
+    a = chain_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], BLOCK)
+    b = chain_keys([1, 2, 3, 4, 5, 6, 7, 8], BLOCK)
+    c = chain_keys([0, 2, 3, 4, 5, 6, 7, 8], BLOCK)
     assert len(a) == 2 and a == b  # only full blocks
     assert c[1] != a[1]  # same second block, different first: a different prefix
 

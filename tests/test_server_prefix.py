@@ -4,6 +4,7 @@ cache does."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,5 +57,38 @@ def test_second_request_reads_the_shared_prompt_from_the_cache(tiny_llama_dir: P
         assert out.usage.prompt_tokens_details.cached_tokens == cached
         queried = server.metrics()["specdecode_prefix_cache_queries_total"]
         assert queried == usages[0].prompt_tokens + usages[1].prompt_tokens + out.usage.prompt_tokens
+    finally:
+        server.stop()
+
+
+def test_cache_salt_keeps_tenants_apart(tiny_llama_dir: Path) -> None:
+    """Requests share cached blocks only within one `cache_salt` (or without one); a bad salt is a 400 naming it."""
+    torch.set_num_threads(1)
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", max_model_len=512)
+    server = LiveServer(build_app(llm, max_num_seqs=2, max_waiting=8, served_model_name=NAME,
+                                  api_key=API_KEY)).start()
+    try:
+        client = server.openai()
+
+        def cached(question: str, salt: str | None = None) -> int:
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            extra = {} if salt is None else {"cache_salt": salt}
+            out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, temperature=0,
+                                                 extra_body=extra)
+            return out.usage.prompt_tokens_details.cached_tokens
+
+        assert cached("def add", "tenant-1") == 0
+        assert cached("def sub", "tenant-2") == 0  # another tenant's salt shares nothing
+        assert cached("def mul") == 0  # nor does the shared namespace
+        assert cached("def div", "tenant-1") >= 32  # the same salt does
+        assert cached("def mod") >= 32
+        out = client.completions.create(model=NAME, prompt=SYSTEM, max_tokens=2, temperature=0,
+                                        extra_body={"cache_salt": "tenant-3"})
+        assert out.usage.prompt_tokens_details.cached_tokens == 0
+        for bad in ("", 7, "x" * 1025, "\ud800"):  # the last one a lone surrogate escape
+            body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "cache_salt": bad}
+            r = server.post("/v1/chat/completions", content=json.dumps(body),
+                            headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
     finally:
         server.stop()

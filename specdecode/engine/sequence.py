@@ -93,6 +93,8 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prefill_group: object | None = None
         """Requests with the same group and prompt (the choices of one `n` > 1 request) share one prefill."""
+        self.cache_salt: str | None = None
+        """The prefix-cache namespace: only requests with the same salt (or none) share pooled blocks."""
 
     @property
     def output_ids(self) -> list[int]:

@@ -35,6 +35,8 @@ def _check_text(text: str, param: str) -> None:
 
 def _check_common(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
     state.check_model(body.model)
+    if body.cache_salt is not None:
+        _check_text(body.cache_salt, "cache_salt")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
 
@@ -134,11 +136,14 @@ def _sequences(state: ServerState, body: ChatCompletionRequest | CompletionReque
     try:
         params = SamplingParams(max_tokens=max_tokens, **kwargs)
         if n == 1:
-            return [state.llm.new_sequence(ids, params)]
-        group = object()
-        seqs = [state.llm.new_sequence(ids, dataclasses.replace(params, seed=seed)) for seed in seeds]
+            seqs = [state.llm.new_sequence(ids, params)]
+        else:
+            group = object()
+            seqs = [state.llm.new_sequence(ids, dataclasses.replace(params, seed=seed)) for seed in seeds]
+            for seq in seqs:
+                seq.prefill_group = group
         for seq in seqs:
-            seq.prefill_group = group
+            seq.cache_salt = body.cache_salt
         return seqs
     except ValueError as exc:
         word = str(exc).split(" ", 1)[0]

@@ -6,8 +6,9 @@ validation (a 400) before any engine work. A field the server does not know or d
 is a 400 naming it, as OpenAI's own API answers ("Unrecognized request argument supplied: X"), never
 silently ignored. ``user``, ``metadata``, ``store`` and ``service_tier`` are accepted as metadata
 only: they change nothing in the generation. Extensions beyond OpenAI: ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``speculative``, and vLLM's structured-output
-spellings (``structured_outputs``, ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``).
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``speculative``, ``cache_salt``, and vLLM's
+structured-output spellings (``structured_outputs``, ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 MAX_CHOICES = 16
 MAX_LOGIT_BIAS = 300
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT = 1024
 
 Float = StrictFloat | StrictInt  # JSON 1 is a fine temperature
 
@@ -125,11 +127,17 @@ class _SamplingFields(_StructuredFields):
     ignore_eos: StrictBool | None = False
     stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=256)] | None = None
     speculative: SpeculativeOptions | None = None
+    timeout: Annotated[Float, Field(gt=0.0)] | None = Field(
+        None, description="Extension: seconds this request may take, at most the server's --request-timeout; past "
+                          "it a 408 (a stream: an error event). Default: the server's --request-timeout.")
     logit_bias: Annotated[dict[StrictStr, Annotated[Float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100] added to the logits.")
     min_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = Field(
         None, description="vLLM extension: EOS and stop_token_ids are masked until this many tokens.")
+    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = Field(
+        None, description="vLLM extension: the prefix-cache namespace; only requests with the same salt share "
+                          "cached prompt blocks (none: the shared namespace). Use a long random secret per tenant.")
 
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
