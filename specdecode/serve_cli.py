@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import sys
 
 from specdecode.cli_args import add_threads_arg, cache_kwargs, speculative_config_from_args
@@ -42,12 +43,12 @@ def run_serve_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    _check_timeouts(args)
     if cluster_cli.wants_cluster(args):  # --replicas, --ray-address, --min/max-replicas: Ray Serve
         return cluster_cli.run_cluster(args)
     try:
-        import uvicorn
-
         from specdecode.server.app import build_app
+        from specdecode.server.process import ProcessExit, run_server
     except ImportError as exc:
         raise ValueError(f"specdecode serve: {missing_extra('serve', exc)}") from None
     from specdecode import LLM
@@ -60,8 +61,22 @@ def run_serve_command(args: argparse.Namespace) -> int:
               speculative_config=speculative_config_from_args(args), seed=args.seed, quantization=args.quantization,
               max_num_seqs=args.max_num_seqs, batch_invariant=args.batch_invariant,
               **cache_kwargs(args))  # the measurement covers the server's batch
+    process_exit = ProcessExit()  # a dead engine stops the server, which then exits with code 1
     app = build_app(llm, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                     served_model_name=args.served_model_name, api_key=args.api_key,
-                    max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+                    max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                    request_timeout_s=args.request_timeout, stall_timeout_s=args.stall_timeout,
+                    on_engine_death=process_exit)
+    return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, process_exit)
+
+
+def _check_timeouts(args: argparse.Namespace) -> None:
+    """Finite and positive (the stall check may be 0: off); a bad value is refused before the model loads."""
+    checks = {"request_timeout": (args.request_timeout, False), "stall_timeout": (args.stall_timeout, True),
+              "drain_timeout": (args.drain_timeout, True)}
+    for name, (value, zero_ok) in checks.items():
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number of seconds "
+                             f"{'>= 0' if zero_ok else '> 0'}, got {value}")

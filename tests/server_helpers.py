@@ -71,6 +71,13 @@ class LiveServer:
         return httpx.post(self.base_url + path, headers=headers, timeout=kw.pop("timeout", 60), **kw)
 
 
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for a server in a subprocess, which binds it itself)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():

@@ -62,7 +62,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         min_replicas=args.min_replicas, max_replicas=args.max_replicas,
         target_ongoing_requests=args.target_ongoing_requests, replica_threads=args.replica_threads,
         replica_gpus=args.replica_gpus, route_prefix_chars=args.route_prefix_chars,
-        route_saturation=args.route_saturation, **cache_kwargs(args),
+        route_saturation=args.route_saturation, drain_timeout_s=args.drain_timeout, **cache_kwargs(args),
     )
 
 

@@ -38,6 +38,7 @@ class ClusterConfig:
     """Autoscaling target of requests in flight per replica (default: max_num_seqs, a full running batch)."""
     replica_threads: int = 1
     replica_gpus: float = 0.0
+    drain_timeout_s: float = 30.0  # a replica's graceful shutdown: its requests in flight get this long to finish
     # ---- routing ----
     route_prefix_chars: int = DEFAULT_PREFIX_CHARS
     route_saturation: int | None = None

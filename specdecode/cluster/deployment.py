@@ -384,7 +384,7 @@ def build_application(cfg: ClusterConfig) -> Any:
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": 60,
-        "graceful_shutdown_timeout_s": 5,
+        "graceful_shutdown_timeout_s": cfg.drain_timeout_s,
         "request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH,
                                                      request_router_kwargs={"saturation": cfg.saturation}),
     }

@@ -6,6 +6,12 @@ before every step, runs ``BatchEngine.step()`` while there is work (and blocks o
 when there is none), and hands each request's updates to its ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. Because aborts are drained before every step, a request whose
 consumer goes away leaves the batch, and frees its cache row, before the next step runs.
+
+No request waits on a thread that is gone: a failing ``step()`` fails the requests in flight and the
+loop goes on; any other exception on the thread (its bookkeeping, the queue) leaves the engine in an
+unknown state, so the thread fails every request in flight and every one not yet queued, refuses new
+ones, and calls ``on_death(1)`` (the server exits non-zero there, so that a supervisor restarts it).
+The loop's heartbeat tells a step that hangs (``stalled``) from one that works.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,19 +103,37 @@ _STOP = object()
 
 
 class AsyncEngine:
-    """Owner of a BatchEngine's thread. Start with ``start()``, end with ``stop()``."""
+    """Owner of a BatchEngine's thread. Start with ``start()``, end with ``stop()``.
 
-    def __init__(self, engine: BatchEngine, metrics: ServerMetrics | None = None, idle_poll_s: float = 1.0) -> None:
+    Args:
+        stall_timeout_s: ``stalled`` turns true when one pass of the loop (a step with its bookkeeping) has
+            run this long; None or 0: never.
+        on_death: called on the engine thread with the exit code (1) after the loop failed outside
+            ``step()`` and every request in flight got its error; None: the engine just stays dead.
+    """
+
+    def __init__(self, engine: BatchEngine, metrics: ServerMetrics | None = None, idle_poll_s: float = 1.0,
+                 stall_timeout_s: float | None = None, on_death: Callable[[int], None] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.idle_poll_s = idle_poll_s
+        self.stall_timeout_s = stall_timeout_s
+        self.on_death = on_death
         pool = engine.prefix_cache
         self._pool_seen = (pool.queried_tokens, pool.hit_tokens) if pool is not None else (0, 0)
         """The prefix cache's counters already exported (the pool may predate this server)."""
         self._cmds: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        """Orders ``add_group``'s check-and-queue against the thread closing: nothing is queued after it closed."""
         self._stopping = False
+        self._closed = False
+        self._idle = True
+        self._beat = time.monotonic()
+        """When the loop's current pass began (it has work then; ``_idle`` while it waits for work)."""
+        self.died: str | None = None
+        """Why the loop failed, when it did."""
         self._steps = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -122,7 +147,8 @@ class AsyncEngine:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the thread to finish; pending requests get an error update."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         if self._thread is not None:
             self._cmds.put(_STOP)
             self._thread.join(timeout)
@@ -130,7 +156,18 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._thread is not None and self._thread.is_alive() and not (self._stopping or self._closed)
+
+    @property
+    def busy_seconds(self) -> float:
+        """How long the loop's current pass has run (0 while it waits for work)."""
+        return 0.0 if self._idle or not self.alive else time.monotonic() - self._beat
+
+    @property
+    def stalled(self) -> bool:
+        """True when a pass of the loop (a step) has run past ``stall_timeout_s``: requests wait, none advance."""
+        limit = self.stall_timeout_s
+        return limit is not None and limit > 0 and self.busy_seconds > limit
 
     # ---- event-loop side ---------------------------------------------------------------------------
 
@@ -141,13 +178,15 @@ class AsyncEngine:
     async def add_group(self, seqs: list[Sequence], k_override: int | None = None) -> list[RequestStream]:
         """Queue requests together (the choices of one request: queued in one command, they are admitted in
         the same step and share their prompt's prefill); all or none are queued."""
-        if not self.alive:
-            raise EngineDeadError("the engine is not running")
         release_thread_workers()  # a request's set-up (its penalty counts) may have run a parallel region here
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[None] = loop.create_future()
         streams = [RequestStream(self, seq) for seq in seqs]
-        self._cmds.put(("add", seqs, k_override, streams, loop, admitted))
+        with self._lock:
+            if not self.alive:
+                raise EngineDeadError(f"the engine is not running ({self.died})" if self.died
+                                      else "the engine is not running")
+            self._cmds.put(("add", seqs, k_override, streams, loop, admitted))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -163,25 +202,47 @@ class AsyncEngine:
     # ---- engine thread -----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        try:
+            self._loop()
+        except BaseException as exc:  # outside step(): the engine's state is unknown, it cannot go on
+            logger.exception("the engine loop failed; failing every request and stopping the engine")
+            self.died = f"the engine failed: {type(exc).__name__}: {exc}"
             try:
-                cmds = self._take_commands(block=not self.engine.has_work())
-            except Exception:  # pragma: no cover - queue errors are not expected
-                logger.exception("engine command queue failed")
-                continue
-            stop = False
-            for cmd in cmds:
+                self._close(self.died)
+            finally:
+                if self.on_death is not None:
+                    try:
+                        self.on_death(1)
+                    except Exception:
+                        logger.exception("the engine's on_death hook failed")
+
+    def _loop(self) -> None:
+        while True:
+            self._idle = not self.engine.has_work()
+            cmds = self._take_commands(block=self._idle)
+            self._beat = time.monotonic()
+            self._idle = False
+            for i, cmd in enumerate(cmds):
                 if cmd is _STOP:
-                    stop = True
-                    break
+                    self._close("the server is shutting down", cmds[i + 1 :])
+                    return
                 self._handle(cmd)
-            if stop:
-                self._fail_all("the server is shutting down")
-                self._update_gauges()
-                return
             if self.engine.has_work():
                 self._step()
             self._update_gauges()
+
+    def _close(self, message: str, unread: list[Any] | None = None) -> None:
+        """Refuse every command not yet handled and fail every request in flight, then take no more."""
+        with self._lock:
+            self._closed = True  # add_group queues nothing from now on
+        for cmd in [*(unread or []), *self._take_commands(block=False)]:
+            if cmd is not _STOP and cmd[0] == "add":
+                self._call(cmd[4], _resolve, cmd[5], EngineDeadError(message))
+        self._fail_all(message)
+        try:
+            self._update_gauges()
+        except Exception:
+            logger.exception("the metrics update failed")
 
     def _take_commands(self, block: bool) -> list[Any]:
         cmds: list[Any] = []
@@ -209,9 +270,13 @@ class AsyncEngine:
                     self.engine.abort(seq.request_id)
                 self._call(loop, _resolve, admitted, exc)
                 return
-            for seq, stream in zip(seqs, streams, strict=True):
-                self._live[seq.request_id] = _Live(stream, loop, time.perf_counter())
-                self.metrics.prompt_tokens.inc(seq.prompt_len)
+            try:
+                for seq, stream in zip(seqs, streams, strict=True):
+                    self._live[seq.request_id] = _Live(stream, loop, time.perf_counter())
+                    self.metrics.prompt_tokens.inc(seq.prompt_len)
+            except BaseException:  # the loop dies of it: its caller must not wait for an admission
+                self._call(loop, _resolve, admitted, EngineDeadError("the engine failed while queueing it"))
+                raise
             self._call(loop, _resolve, admitted, None)
         elif cmd[0] == "abort":
             live = self._live.pop(cmd[1], None)
@@ -269,12 +334,16 @@ class AsyncEngine:
         live.spec = snapshot(seq.stats)
 
     def _fail_all(self, message: str) -> None:
+        """Send every request in flight its error, whatever else fails on the way."""
         for rid, live in list(self._live.items()):
             seq = live.stream.seq
-            self._call(live.loop, live.stream._queue.put_nowait,
-                       Update("", seq.num_output, seq.prompt_len, True, None, error=message))
-            self.metrics.requests_finished.labels(finish_reason="error").inc()
             try:
+                update = Update("", seq.num_output, seq.prompt_len, True, None, error=message)
+            except Exception:  # a broken sequence still gets its error
+                update = Update("", 0, 0, True, None, error=message)
+            self._call(live.loop, live.stream._queue.put_nowait, update)
+            try:
+                self.metrics.requests_finished.labels(finish_reason="error").inc()
                 self.engine.abort(rid)
             except Exception:
                 logger.exception("abort of request %s failed", rid)

@@ -12,7 +12,7 @@ class APIError(Exception):
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable_error"}
+                408: "timeout_error", 503: "service_unavailable_error"}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:

@@ -33,6 +33,16 @@ def add_serve_subparser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                         "(default: %(default)s)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="larger request bodies get a 413 (default: %(default)s)")
+    s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the longest a request may take, queueing included; past it a 408 (a stream: an error "
+                        "event), its row freed. A request's own 'timeout' field may only shorten it "
+                        "(default: no limit)")
+    s.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="/health answers 503 once one engine step has run this long, so that a supervisor "
+                        "restarts the server; 0 = never (default: %(default)s)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, /health and new requests get a 503 while the requests in flight get this "
+                        "long to finish (then they fail); then the server exits 0 (default: %(default)s)")
     s.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return s
