@@ -107,6 +107,15 @@ def _one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(prev)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_cost_cache() -> Iterator[None]:
+    # Every test (and every model a fixture loads) measures its own costs and writes nothing to the user's cache
+    # (engine/cost_cache.py); the cost cache's own tests turn it on over a private SPECDECODE_HOME.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDECODE_COST_CACHE", "0")
+        yield
+
+
 @pytest.fixture(scope="module")
 def plain_tiny(tiny_llama_dir: Path):  # noqa: ANN201 - (LLM, plain greedy outputs of tiny_prompts)
     """Plain fp32 decoding of the tiny Llama on the shared prompts: the reference for exactness tests."""

@@ -222,3 +222,82 @@ def test_adaptive_needs_cost_or_fixed_k() -> None:
         AdaptiveK()
     with pytest.raises(ValueError):
         AdaptiveK(fixed_k=-1)
+
+
+# ---------------------------------------------------------------------------- probing under a batch cap
+
+# Many rows: a forward over 16 tokens costs much more than over 8, so widening 8 rows to two tokens does not pay
+# for a drafter whose acceptance is unremarkable, though a lone row would draft.
+BATCH = CostModel.from_points({1: 0.05, 8: 0.08, 16: 0.14}, 16)
+
+
+def _batch_step(policy: AdaptiveK, accepted: int = 1) -> int:
+    """One step of a row in a batch of 8 (the others never draft): its k after the batch cap, observed."""
+    from specdecode.engine.schedule import PreferredDraft, choose_lengths
+
+    plain = [PreferredDraft(0, AdaptiveK(fixed_k=0)) for _ in range(7)]
+    k = choose_lengths([PreferredDraft(policy.next_k(4), policy), *plain], BATCH, 1, 4).ks[0]
+    policy.observe(k, min(k, accepted))
+    return k
+
+
+def test_a_row_the_batch_keeps_at_k0_still_probes() -> None:
+    """The row's own choice is k > 0, so it never chooses k = 0 itself; the batch cap sets it to 0 every step.
+    The streak counts what the row drafted, after the cap: it probes, and a probe the batch defers for a whole
+    interval runs anyway, so the row learns within two intervals."""
+    policy = AdaptiveK(CostModel.from_points({1: 0.05, 8: 0.055}, 8))  # its own (lone row) costs: drafting pays
+    assert policy.next_k(4) > 0
+    ks = [_batch_step(policy) for _ in range(2 * policy.probe_interval + 1)]
+    assert ks == [0] * 2 * policy.probe_interval + [1]  # deferred for an interval, then due
+    assert policy.observed_positions == 1 and policy.accepted_positions == 1
+
+
+def test_an_accepted_probe_resets_the_streak_and_a_rejected_one_widens_the_interval() -> None:
+    policy = AdaptiveK(CostModel.from_points({1: 0.05, 8: 0.055}, 8))
+    for _ in range(2 * policy.probe_interval + 1):
+        _batch_step(policy, accepted=0)
+    assert policy.probe_interval == 32  # the probe was rejected
+    ks = [_batch_step(policy, accepted=0) for _ in range(2 * 32 + 1)]
+    assert ks == [0] * 64 + [1]
+
+
+def test_a_forced_plain_step_is_not_counted() -> None:
+    """No room to draft (the context or max_tokens is full) says nothing about the proposer."""
+    policy = AdaptiveK(FLAT, prior=0.0)
+    for _ in range(100):
+        assert policy.next_k(0) == 0
+        policy.observe(0, 0)
+    assert policy.next_k(4) == 0 and not policy.probing
+
+
+def test_the_policy_counts_observed_and_accepted_positions() -> None:
+    policy = AdaptiveK(FLAT)
+    policy.next_k(4)
+    policy.observe(4, 2)  # positions 0, 1 accepted, 2 rejected, 3 unseen
+    policy.next_k(4)
+    policy.observe(3, 3)
+    assert (policy.observed_positions, policy.accepted_positions) == (6, 5)
+
+
+def test_a_drafter_that_never_pays_is_never_probed() -> None:
+    """Draft steps cost ten target forwards: even a drafter whose every draft is kept loses to plain decoding, so
+    a probe has nothing to teach."""
+    policy = AdaptiveK(CostModel(tuple([0.01] * 9), draft_step_seconds=0.1), prior=1.0)
+    for _ in range(200):
+        assert policy.next_k(8) == 0 and not policy.probing
+        policy.observe(0, 0)
+
+
+def test_a_probe_the_lookup_guess_replaces_starts_a_new_interval() -> None:
+    """The row proposed its lookup guess instead of the probe (the policy observes nothing that step): it waits a
+    whole interval of plain steps before the next probe, rather than probing, and guessing, at every step."""
+    policy = AdaptiveK(FLAT, prior=0.0)
+    for _ in range(16):
+        assert policy.next_k(8) == 0
+        policy.observe(0, 0)
+    assert policy.next_k(8) == 1 and policy.probing  # replaced by the guess: not observed
+    ks = []
+    for _ in range(17):
+        ks.append(policy.next_k(8))
+        policy.observe(ks[-1], 0)
+    assert ks == [0] * 16 + [1]

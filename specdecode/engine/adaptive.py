@@ -12,6 +12,10 @@ import math
 
 from specdecode.cost_model import CostModel
 
+DEFAULT_PRIOR = 0.6
+"""α before any observation when nothing better is known: optimistic enough to try drafting, near the acceptance
+of a typical draft model. `RequestHistory` replaces it by the measured acceptance of earlier requests."""
+
 
 class AcceptanceTracker:
     """Per-request estimate of α_i = P(accept position i | positions 0..i-1 accepted).
@@ -20,8 +24,8 @@ class AcceptanceTracker:
     observations: ``α_i <- decay * α_i + (1 - decay) * x``. ``decay = 0.9`` remembers about
     the last 10 observations, so the estimate follows a change of text (prose -> code)
     within a few steps while one unlucky step moves it by only 10%. Before any
-    observation, α_0 is ``prior = 0.6`` (optimistic enough to try drafting, near the
-    acceptance of a typical draft model). A position never observed yet takes the
+    observation, α_0 is ``prior`` (``DEFAULT_PRIOR``, or what earlier requests of the
+    same pair measured: engine/history.py). A position never observed yet takes the
     estimate of the deepest observed position: acceptance at depth i is about as likely
     as at depth i-1, and a prior there would stall k below its best value (position k is
     only ever observed once k+1 tokens are drafted). Its first observation starts its own
@@ -31,7 +35,7 @@ class AcceptanceTracker:
     updates in turn: a prompt-lookup guess copies text, which is kept or not alike at any depth.
     """
 
-    def __init__(self, prior: float = 0.6, decay: float = 0.9, *, per_position: bool = True) -> None:
+    def __init__(self, prior: float = DEFAULT_PRIOR, decay: float = 0.9, *, per_position: bool = True) -> None:
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"prior must lie in [0, 1], got {prior}")
         if not 0.0 <= decay < 1.0:
@@ -90,16 +94,26 @@ def choose_k(tracker: AcceptanceTracker, cost: CostModel, k_max: int) -> int:
     return best_k
 
 
+_PERFECT = AcceptanceTracker(prior=1.0)
+"""A drafter whose every draft is accepted (never updated)."""
+
+
 class AdaptiveK:
     """Draft-length policy of one request: adaptive (tracker + cost model) or fixed.
 
-    Exploration: once k = 0 is chosen, the tracker stops getting observations and could
+    Exploration: once a row drafts nothing, the tracker stops getting observations and could
     never learn that the proposer became useful (an n-gram proposer when the text turns
-    repetitive). So after ``probe_interval`` consecutive k = 0 steps we probe once with
-    k = 1. A rejected probe doubles the interval (16, 32, 64 = ``max_probe_interval``), so a
-    useless proposer pays for at most 1 probe in 65 steps, while a proposer that turns
-    useful is noticed within 65 steps; an accepted probe resets the interval. A probe also
-    feeds the tracker, so a useless drafter's α_0 keeps falling and k stays 0.
+    repetitive). So after ``probe_interval`` consecutive steps that drafted nothing we probe
+    once with k = 1. The streak counts what the step drafted (``observe``), after the batch's
+    cap: a row whose own choice is k > 0 but which the batch keeps at k = 0 learns nothing
+    either, and probes too. A rejected probe doubles the interval (16, 32, 64 =
+    ``max_probe_interval``), so a useless proposer pays for at most 1 probe in 65 steps, while
+    a proposer that turns useful is noticed within 65 steps; an accepted probe resets the
+    interval. A probe also feeds the tracker, so a useless drafter's α_0 keeps falling and k
+    stays 0. In a batch the cap may defer a probe that does not pay (engine/schedule.py), by
+    at most one more interval: then the probe is due (``probe_due``) and runs whatever it costs.
+    A probe that the row's lookup guess replaces (engine/lookup_guess.py) starts a new interval;
+    a drafter that would not pay even with every draft accepted is never probed.
     """
 
     def __init__(
@@ -107,7 +121,7 @@ class AdaptiveK:
         cost: CostModel | None = None,
         *,
         fixed_k: int | None = None,
-        prior: float = 0.6,
+        prior: float = DEFAULT_PRIOR,
         decay: float = 0.9,
         probe_interval: int = 16,
         max_probe_interval: int = 64,
@@ -126,40 +140,55 @@ class AdaptiveK:
         self.base_probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.probe_interval = probe_interval
-        self._zero_streak = 0  # consecutive steps where choose_k gave 0
+        self.observed_positions = 0
+        """Draft positions with an accept / reject outcome so far (the tracker's observations)."""
+        self.accepted_positions = 0
+        """Of those, the accepted ones: their ratio is the request's acceptance, which `RequestHistory` pools."""
+        self._zero_streak = 0  # consecutive observed steps that drafted nothing (after the batch cap)
         self._probing = False  # the last next_k() was a probe
+        self._forced = False  # the last next_k() was a forced plain step (no room to draft)
 
     def next_k(self, k_max_allowed: int) -> int:
         """Draft length for the next step, never above ``k_max_allowed`` (see cap_draft_len)."""
         k_max_allowed = max(0, k_max_allowed)
-        self._probing = False
+        if self._probing:  # the last probe was never observed: the row's lookup guess ran instead; wait anew
+            self._zero_streak = 0
+        self._probing = self._forced = False
         if self.fixed_k is not None:
             return min(self.fixed_k, k_max_allowed)
         if k_max_allowed == 0:
-            return 0  # forced plain step: says nothing about the proposer, leave the streak alone
+            self._forced = True  # says nothing about the proposer: leaves the streak alone
+            return 0
         assert self.cost is not None
         k = choose_k(self.tracker, self.cost, k_max_allowed)
-        if k > 0:
-            self._zero_streak = 0
-            return k
-        self._zero_streak += 1
-        if self._zero_streak > self.probe_interval:
-            self._zero_streak = 0
+        # A drafter too slow to pay even if every draft were accepted has nothing to learn from a probe.
+        if self._zero_streak >= self.probe_interval and choose_k(_PERFECT, self.cost, k_max_allowed) > 0:
             self._probing = True
             return 1
-        return 0
+        return k
 
     @property
     def probing(self) -> bool:
-        """The last next_k() was a probe (k = 1 after a run of k = 0)."""
+        """The last next_k() was a probe (k = 1 after a run of steps that drafted nothing)."""
         return self._probing
 
+    @property
+    def probe_due(self) -> bool:
+        """The last next_k() was a probe the batch has deferred for a whole interval already: it runs now."""
+        return self._probing and self._zero_streak >= 2 * self.probe_interval
+
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        """Feed back one step's outcome (the proposer may have drafted fewer than k)."""
+        """Feed back one step's outcome (the proposer may have drafted fewer than k, the batch may have cut k)."""
         self.tracker.update(num_drafted, num_accepted)
+        self.observed_positions += min(num_drafted, num_accepted + 1)
+        self.accepted_positions += num_accepted
+        if num_drafted > 0:
+            self._zero_streak = 0
+        elif not self._forced:
+            self._zero_streak += 1
         if self._probing and num_drafted > 0:
             if num_accepted > 0:
                 self.probe_interval = self.base_probe_interval
             else:
                 self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
-        self._probing = False
+        self._probing = self._forced = False

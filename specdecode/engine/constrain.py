@@ -12,6 +12,8 @@ keeps that token as its leaf (verify rejects it) and drops what follows.
 A chain that the grammar kept whole is then extended by the grammar's forced continuation (the tokens that
 must come next, e.g. a JSON schema's keys and punctuation), as point-mass draft nodes: free drafts that
 the constrained target almost always accepts, verified like any other (lossless by the same rule).
+
+A row whose matcher raises fails alone (engine/row_faults.py); the other rows are constrained as before.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from specdecode.engine.adaptive import AcceptanceTracker
 from specdecode.engine.plan import RowTree
+from specdecode.engine.row_faults import guarded
 from specdecode.engine.sequence import Sequence
 from specdecode.structured.matcher import TokenMatcher
 from specdecode.tree import MAX_TREE_NODES
@@ -193,7 +196,7 @@ def constrain_rows(seqs: list[Sequence], trackers: list[AcceptanceTracker | None
         return None
     masks: list[torch.Tensor | None] = []
     for i, (seq, tracker) in enumerate(zip(seqs, trackers, strict=True)):
-        if seq.matcher is None:
+        if seq.matcher is None or seq.finished:  # finished: failed earlier in the step
             masks.append(None)
             continue
         room = 0
@@ -202,8 +205,10 @@ def constrain_rows(seqs: list[Sequence], trackers: list[AcceptanceTracker | None
             left = seq.params.max_tokens - seq.num_output
             context = max_len - len(seq.token_ids) - n
             room = max(0, min(FORCED_DRAFT_MAX, MAX_TREE_NODES - n, context, left - n))
-        rows[i], mask = constrain_row(rows[i], seq.matcher, room)
-        masks.append(mask)
+        done = guarded(seq, "the grammar", constrain_row, rows[i], seq.matcher, room)
+        if done is not None:
+            rows[i] = done[0]
+        masks.append(None if done is None else done[1])
     if forward_seconds is not None and len(rows) > 1 and any(r.forced for r in rows):
         reach, base = [], 0.0
         for tracker, row in zip(trackers, rows, strict=True):

@@ -23,15 +23,17 @@ from specdecode.cost_model import CostModel
 from specdecode.engine.adaptive import AdaptiveK
 from specdecode.engine.chunking import ChunkTimer
 from specdecode.engine.constrain import constrain_rows
+from specdecode.engine.history import RequestHistory
 from specdecode.engine.lookup_guess import RowGuess, guess_alone, with_lookup_branch
 from specdecode.engine.plan import RowTree, StepPlan, build_plan
 from specdecode.engine.prefill_share import PrefillShares
 from specdecode.engine.prefix_cache import PrefixCache
+from specdecode.engine.row_faults import guarded, propose_rows
 from specdecode.engine.running import Running
 from specdecode.engine.schedule import Lengths, PreferredDraft, catch_up_share, choose_lengths, node_budget, row_cost
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_log import log_step
-from specdecode.engine.step_verify import Verified, start_sequence, verify_rows
+from specdecode.engine.step_verify import Verified, append_verified, start_sequence, verify_rows
 from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import BatchProposer, Draft, ProposeRow
@@ -50,8 +52,10 @@ class Engine:
                  fixed_k: int | None = None, cost: CostModel | None = None, max_num_seqs: int = 8,
                  max_waiting: int | None = 64, lookup: tuple[int, int] | None = None,
                  allocate: bool = True, prefix_cache: PrefixCache | None = None,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 max_num_batched_tokens: int | None = None, history: RequestHistory | None = None) -> None:
         self.target = target
+        self.history = history or RequestHistory()
+        """Earlier requests of this pair: a new row's acceptance prior, a request's expected length (history.py)."""
         self.max_len = max_len
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
@@ -204,7 +208,7 @@ class Engine:
         if fixed is not None:
             return AdaptiveK(fixed_k=fixed)
         assert self.row_cost is not None, "an adaptive draft length needs the measured cost (measure_cost)"
-        return AdaptiveK(self.row_cost)
+        return AdaptiveK(self.row_cost, prior=self.history.prior())
 
     def _start_prefill(self) -> Running:
         """Take the next waiting request into the free row; copy in its sibling's whole prompt, or else its
@@ -224,7 +228,7 @@ class Engine:
         features = None
         if self.prefix_cache is not None:  # the prompt's last token is always computed: its logits give the first
             r.prefilled, features = self.prefix_cache.restore(self.cache, len(self.running), seq.token_ids,
-                                                              seq.prompt_len - 1, hidden)
+                                                              seq.prompt_len - 1, hidden, seq.cache_salt)
         seq.cached_tokens = r.prefilled
         self.cache.set_length(len(self.running), r.prefilled)
         self._begin(r, features)
@@ -264,6 +268,7 @@ class Engine:
         assert self.cache is not None
         self._remember(row)
         self._shares.forget(self.running[row])
+        self.history.finished(self.running[row].policy, self.running[row].seq)
         if self.running[row].policy is not None and self.proposer is not None:
             self.proposer.release(self.running[row].key)
         last = len(self.running) - 1
@@ -280,7 +285,7 @@ class Engine:
         r = self.running[row]
         if self.prefix_cache is not None and self.cache is not None and (
                 r.features is not None or not self._reads_features(r)):
-            self.prefix_cache.remember(self.cache, row, r.seq.token_ids, r.features)
+            self.prefix_cache.remember(self.cache, row, r.seq.token_ids, r.features, r.seq.cache_salt)
 
     def _share_hidden(self, r: Running, hidden: torch.Tensor, row: int, index: slice | list[int], at: int) -> None:
         """Head proposers read the target's features of the positions just kept (from position `at` on): from the
@@ -360,7 +365,8 @@ class Engine:
             return 0.0
         assert r.policy is not None
         return catch_up_share(self.proposer.catch_up_tokens(r.key, r.seq.view()), self._cost.catch_up_token_seconds,
-                              r.seq.params.max_tokens - r.seq.num_output, r.policy.tracker.expected_tokens(k), dip)
+                              r.seq.params.max_tokens - r.seq.num_output, r.policy.tracker.expected_tokens(k), dip,
+                              self.history.expected_length(r.seq.params))
 
     def _propose(self, lengths: Lengths) -> list[RowTree]:
         """One proposer call for every row its drafter drafts; the rows the schedule chose it for propose their
@@ -369,7 +375,8 @@ class Engine:
         guesses = lengths.guesses
         asks = [ProposeRow(r.key, r.seq.view(), k, max(k, lengths.node_budget))
                 for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True) if k > 0 and not guess.alone]
-        drafts = iter(self.proposer.propose(asks) if asks and self.proposer is not None else [])
+        seqs, vocab = {r.key: r.seq for r in self.running}, self.target.config.vocab_size
+        drafts = iter(propose_rows(self.proposer, asks, seqs, vocab) if self.proposer is not None else [])
         rows = []
         for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True):
             r.guessed = len(guess.alone)
@@ -404,16 +411,14 @@ class Engine:
         share = 1.0 / plan.rows  # the forward served every row; attribute an equal share of its time
         for i, (r, row, v) in enumerate(zip(self.running, rows, verdicts, strict=True)):
             seq, start = r.seq, plan.starts[i]
+            if seq.finished:  # it failed earlier in the step (engine/row_faults.py) and keeps nothing
+                finished.append(i)
+                continue
             if v.nodes != list(range(1, len(v.nodes) + 1)):  # a chain's accepted prefix is already in place
                 self.cache.compact(i, [start + n for n in v.nodes], start + 1)
             self.cache.set_length(i, start + 1 + len(v.nodes))  # the pending token and the accepted drafts
-            self._share_hidden(r, hidden, i, [0, *v.nodes], start)
-            emitted = 0
-            for j, tok in enumerate(v.tokens):
-                seq.append(tok, None if v.logprobs is None else v.logprobs[j])
-                emitted += 1
-                if seq.finished:
-                    break
+            guarded(seq, "the proposer", self._share_hidden, r, hidden, i, [0, *v.nodes], start)
+            emitted = append_verified(seq, v)
             seq.stats.observe(row.num_drafted, len(v.nodes), emitted, seconds[0] * share, seconds[1] * share,
                               draft_depth=v.depth)
             if not seq.finished and len(seq.token_ids) >= self.max_len:
@@ -438,4 +443,4 @@ class Engine:
             r.policy.observe(depth, accepted)
         if self.proposer is not None and not r.seq.finished:
             own = sum(1 for n in v.nodes if n <= row.drafted)
-            self.proposer.on_verified(r.key, r.seq.view(), accepted, own)
+            guarded(r.seq, "the proposer", self.proposer.on_verified, r.key, r.seq.view(), accepted, own)

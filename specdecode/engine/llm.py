@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +15,8 @@ import torch
 from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB, SpeculativeConfig
 from specdecode.cost_model import CostModel
 from specdecode.engine.core import Engine
+from specdecode.engine.cost_cache import CostCache, cost_cache_enabled, file_identity
+from specdecode.engine.history import RequestHistory
 from specdecode.engine.measure import CostMeasurement
 from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.proposer_factory import ProposerFactory, lookup_guess, proposer_factory
@@ -115,6 +120,7 @@ class LLM:
         target_cfg = read_config(target_path)
         self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, target_cfg.max_position_embeddings)
         draft_path = draft_cfg = None
+        drafter: tuple[str, Path, str] | None = None  # (name, file or directory, weight format)
         self.draft_quantization: str | None = None
         """The draft model's weight format as resolved at load (None without a draft model)."""
         spec = self.spec
@@ -143,8 +149,10 @@ class LLM:
                 self.head = load_head(str(head_dir), self.target.model, kind=spec.method)
             if isinstance(self.head, EagleHead) and self.head.config.feature_layers:  # EAGLE-3 style head
                 self.target.model.capture_layers = tuple(self.head.config.feature_layers)
-            convert_linears(self.head, draft_linear_format(spec.quantization, self.dtype, self.device))
-        convert_linears(self.target.model, target_linear_format(quantization, self.dtype, self.device))
+            drafter = (str(head_dir), Path(head_dir), draft_linear_format(spec.quantization, self.dtype, self.device))
+            convert_linears(self.head, drafter[2])
+        target_format = target_linear_format(quantization, self.dtype, self.device)
+        convert_linears(self.target.model, target_format)
         if batch_invariant:
             self.target.model.make_batch_invariant()
         self.draft: LoadedModel | None = None
@@ -159,7 +167,8 @@ class LLM:
             draft_format = self.draft_quantization
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device,
                                        "gguf" if draft_format == "gguf" else "none")
-            convert_linears(self.draft.model, draft_linear_format(draft_format, draft_dtype, self.device))
+            drafter = (str(spec.model), draft_path, draft_linear_format(draft_format, draft_dtype, self.device))
+            convert_linears(self.draft.model, drafter[2])
         self.batch_factory: ProposerFactory | None = proposer_factory(
             spec, self.max_model_len, self.draft.model if self.draft is not None else None, draft_vocab, self.head)
         """max rows -> the engine's batch proposer: every row drafted together (one forward per level); None
@@ -171,6 +180,20 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.k_max = spec.k_max if spec is not None else 0
         self.fixed_k = None if (spec is None or spec.adaptive) else int(spec.num_speculative_tokens)
+        self.cost_cache: CostCache | None = None
+        """Costs measured in earlier processes on this machine and set-up (engine/cost_cache.py); None: off."""
+        if spec is not None and cost_cache_enabled():
+            self.cost_cache = CostCache({
+                "target": {**file_identity(model, target_path), "format": target_format, "dtype": str(self.dtype),
+                           "batch_invariant": batch_invariant},
+                "drafter": None if drafter is None else {**file_identity(drafter[0], drafter[1]), "format": drafter[2],
+                                                         "dtype": str(draft_dtype)},
+                "speculative": {**dataclasses.asdict(spec), "model": None},  # the drafter's files name it
+                "max_len": self.max_model_len}, self.device)
+        cache = self.cost_cache
+        self.history = RequestHistory(cache.get("history") if cache else None,
+                                      on_change=functools.partial(cache.put, "history") if cache else None)
+        """What earlier requests of this pair measured: acceptance and output length (engine/history.py)."""
         proposer = self.new_proposer(max_num_seqs)
         self.measurement: CostMeasurement | None = None
         """The start-up measurement behind `cost`, extended when a call first runs more rows than it covers."""
@@ -178,7 +201,7 @@ class LLM:
         """The measured cost model (adaptive k only): what `generate`'s batches and the server's are sized by.
         One row at start-up; `generate` measures batch shapes the first time it runs that many rows."""
         if proposer is not None and self.fixed_k is None:
-            self.measurement = CostMeasurement(self.target.model, proposer, self.k_max, self.max_model_len)
+            self.measurement = self._cached_measurement(proposer)
             self.cost = self._measured(1)
         self.engine = self._engine(proposer, self.cost, max_num_seqs, None, allocate=False)
         """The engine of `generate` and `stream` (its cache grows to the rows a call needs)."""
@@ -193,22 +216,41 @@ class LLM:
         return self._measured(max_rows, CostMeasurement(self.target.model, proposer, self.k_max, self.max_model_len,
                                                         flat=flat))
 
+    def _cached_measurement(self, proposer: BatchProposer) -> CostMeasurement:
+        """The start-up measurement, holding what an earlier process on this machine and set-up measured."""
+        m = CostMeasurement(self.target.model, proposer, self.k_max, self.max_model_len)
+        cache = self.cost_cache
+        if cache is not None and (record := cache.get("costs")) is not None:
+            if m.restore(record):
+                logger.debug("forward costs (up to %d rows) from the cost cache %s", m.rows, cache.path)
+            else:
+                logger.warning("ignoring the incomplete costs in %s: measuring them again", cache.path)
+        return m
+
     def _measured(self, rows: int, measurement: CostMeasurement | None = None) -> CostModel:
-        """The cost model for batches of up to `rows` rows, measuring the shapes not yet measured."""
+        """The cost model for batches of up to `rows` rows, measuring the shapes not yet measured (the start-up
+        measurement's are kept in the cost cache, and measured once per machine and set-up)."""
         m = measurement or self.measurement
         assert m is not None
         if m.rows >= rows:
             return m.cost(rows)
-        with timed_step(logger, f"measured the target's forward costs (up to {rows} rows; they size drafts)") as step:
+        cache = self.cost_cache if measurement is None else None
+        what = f"measured the target's forward costs (up to {rows} rows; they size drafts)"
+        if cache is not None:
+            logger.info("measuring the forward costs of this machine and set-up (up to %d rows; once: they are "
+                        "kept in %s)", rows, cache.path)
+        with timed_step(logger, what, always=cache is not None) as step:
             cost = m.cost(rows)
             step["detail"] = f"1-token forward {1000 * cost.target_forward_seconds(1):.1f} ms"
+        if cache is not None:
+            cache.put("costs", m.record())
         return cost
 
     def _engine(self, proposer: BatchProposer | None, cost: CostModel | None, max_num_seqs: int,
                 max_waiting: int | None, allocate: bool) -> Engine:
         return Engine(self.target.model, self.max_model_len, proposer, self.k_max, self.fixed_k, cost, max_num_seqs,
                       max_waiting, self.lookup, allocate=allocate, prefix_cache=self.prefix_cache,
-                      max_num_batched_tokens=self.max_num_batched_tokens)
+                      max_num_batched_tokens=self.max_num_batched_tokens, history=self.history)
 
     def batch_engine(self, max_num_seqs: int = 8, max_waiting: int = 64) -> Engine:
         """A continuous-batching engine over the same weights, for serving (the one engine core, with its own
@@ -223,7 +265,7 @@ class LLM:
         cost = self.cost
         if proposer is not None:
             if self.measurement is None:  # a fixed k: the server still sizes its batches by the cost
-                self.measurement = CostMeasurement(self.target.model, proposer, self.k_max, self.max_model_len)
+                self.measurement = self._cached_measurement(proposer)
             cost = self._measured(max_num_seqs)
         return self._engine(proposer, cost, max_num_seqs, max_waiting, allocate=True)
 

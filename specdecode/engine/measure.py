@@ -1,10 +1,13 @@
 """Start-up measurement of the engine's one cost model: target forwards over t tokens in all, as one row
-(a request's chain or tree) and as several rows (a batch), plus the drafter's step and catch-up costs."""
+(a request's chain or tree) and as several rows (a batch), plus the drafter's step and catch-up costs. What it
+measured can be saved (`record`) and given to a later process (`restore`: engine/cost_cache.py)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -44,6 +47,8 @@ class CostMeasurement:
         """Rows measured so far (0: nothing yet)."""
         self.medians: dict[tuple[int, int], float] = {}
         """(rows, tokens per row) -> median seconds of that forward."""
+        self.draft: tuple[float, float] | None = None
+        """The proposer's (seconds per drafted token, seconds per catch-up token), measured once (None: not yet)."""
 
     def cost(self, rows: int) -> CostModel:
         """The cost model covering batches of up to `rows` rows (measuring what is missing)."""
@@ -84,7 +89,35 @@ class CostMeasurement:
             lowest = points[t] = min(points[t], lowest)
         if self.flat:
             points = dict.fromkeys(self.ts, points[1])
-        proposer = self.proposer
-        draft = proposer.step_cost_hint() if proposer is not None else 0.0
-        catch_up = proposer.catch_up_token_seconds() if proposer is not None and proposer.capabilities.catch_up else 0.0
+        draft, catch_up = self._draft_costs()
         return CostModel.from_points(points, max(points), draft_step_seconds=draft, catch_up_token_seconds=catch_up)
+
+    def _draft_costs(self) -> tuple[float, float]:
+        if self.draft is None:
+            p = self.proposer
+            self.draft = (p.step_cost_hint() if p is not None else 0.0,
+                          p.catch_up_token_seconds() if p is not None and p.capabilities.catch_up else 0.0)
+        return self.draft
+
+    def record(self) -> dict[str, Any]:
+        """What was measured, JSON-ready (for `restore` in a later process on the same machine and set-up)."""
+        return {"rows": self.rows, "medians": [[b, t, s] for (b, t), s in sorted(self.medians.items())],
+                "draft": list(self._draft_costs())}
+
+    def restore(self, record: Any) -> bool:
+        """Take a `record` of the same set-up as measured; False (nothing taken) where it is not a whole one."""
+        try:
+            rows, draft = record["rows"], tuple(float(x) for x in record["draft"])
+            medians = {(int(b), int(t)): float(s) for b, t, s in record["medians"]}
+        except (TypeError, KeyError, ValueError):
+            return False
+        whole = isinstance(rows, int) and rows >= 1 and len(draft) == 2 and all(
+            math.isfinite(x) and x >= 0 for x in draft) and all(math.isfinite(s) and s > 0 for s in medians.values())
+        # The one-row shapes every model starts from, and the batch shapes of the rows it claims.
+        wanted = [(1, t) for t in (self.ts[:1] if self.flat else self.ts)]
+        if rows > 1 and not self.flat:
+            wanted += [(rows, w) for w in self.widths]
+        if not whole or any(s not in medians for s in wanted):
+            return False
+        self.rows, self.medians, self.draft = rows, medians, (draft[0], draft[1])
+        return True

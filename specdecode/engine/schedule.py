@@ -20,8 +20,9 @@ from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, priced_nodes
 from specdecode.tree import MAX_TREE_NODES
 
 CATCH_UP_HORIZON_TOKENS = 256
-"""Output tokens over which a draft's catch-up forward is amortised when deciding whether a row drafts: the
-rest of the request, up to about a chat answer's length (max_tokens is only a bound; EOS often comes first)."""
+"""The expected output tokens of a request before any request has finished (about a chat answer's length;
+max_tokens is only a bound, EOS often comes first): a draft's catch-up is amortised over them
+(`RequestHistory.expected_length` learns the real ones)."""
 
 
 @dataclass
@@ -41,8 +42,9 @@ class PreferredDraft:
         """Capped by a batch of `rows` rows: not a fixed k, nor a free probe (one token that keeps a lone row's
         estimate alive). In a batch a probe widens every row's forward (rows are padded to the widest), and a
         probe whose drafter must first catch up (a draft model that has not drafted for a while feeds it all)
-        pays that catch-up: either is capped like any k, so the batch pays for a probe only where it pays back."""
-        if self.policy is None or self.policy.fixed_k is not None:
+        pays that catch-up: either is capped like any k, so the batch pays for a probe only where it pays back;
+        but a probe deferred for a whole interval is due and runs, so no row stays at k = 0 unprobed."""
+        if self.policy is None or self.policy.fixed_k is not None or self.policy.probe_due:
             return False
         return not self.policy.probing or self.catch_up_seconds > 0 or rows > 1
 
@@ -62,15 +64,17 @@ class Lengths:
     """Per row: its prompt-lookup guess this step, and the part it proposes alone (cut to its k)."""
 
 
-def catch_up_share(tokens: int, token_seconds: float, tokens_left: int, tokens_per_step: float, dip: bool) -> float:
+def catch_up_share(tokens: int, token_seconds: float, tokens_left: int, tokens_per_step: float, dip: bool,
+                   expected_length: float = CATCH_UP_HORIZON_TOKENS) -> float:
     """Seconds a row's draft catch-up (feeding `tokens` its proposer has not seen since it last drafted: the
-    prompt at first) charges this step: spread over the steps left to the request at its expected tokens per
-    step, as it is paid once and the drafter then keeps up while the row drafts. In a dip below the recent
-    batch size (requests finishing just before the next ones arrive) a row pays it all now, since the load
-    that made it pause returns."""
+    prompt at first) charges this step: spread over the steps left to the request (the fewer of the
+    `tokens_left` max_tokens allows and the request's `expected_length`) at its expected tokens per step, as it
+    is paid once and the drafter then keeps up while the row drafts. In a dip below the recent batch size
+    (requests finishing just before the next ones arrive) a row pays it all now, since the load that made it
+    pause returns. Only the choice of k depends on it, never the output."""
     if tokens == 0:
         return 0.0
-    horizon = 1.0 if dip else max(1.0, min(CATCH_UP_HORIZON_TOKENS, tokens_left) / tokens_per_step)
+    horizon = 1.0 if dip else max(1.0, min(expected_length, tokens_left) / tokens_per_step)
     return tokens * token_seconds / horizon
 
 

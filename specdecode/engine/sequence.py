@@ -36,12 +36,15 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    """"stop" (EOS, stop token or stop string) or "length" (max_tokens or context)."""
+    """"stop" (EOS, stop token or stop string), "length" (max_tokens or context) or "error" (the engine failed
+    this request alone: `error` says why)."""
     metrics: dict = field(default_factory=dict)
     """prompt_tokens, output_tokens, seconds, tokens_per_second, prefill_seconds, cached_tokens (prompt tokens
     read from the prefix cache) + speculative stats."""
     logprobs: list[TokenLogprob] | None = None
     """One per output token when `SamplingParams.logprobs` is set."""
+    error: str | None = None
+    """Why the engine failed the request (finish_reason "error"); None otherwise."""
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -84,6 +87,8 @@ class Sequence:
         self.text = ""
         self.emitted_chars = 0
         self.finish_reason: str | None = None
+        self.error: str | None = None
+        """Why the engine failed this request alone (finish_reason "error", engine/row_faults.py)."""
         self.stats = SpecStats()
         self.start_time = time.perf_counter()
         self.prefill_seconds = 0.0
@@ -148,6 +153,12 @@ class Sequence:
         """The context is full: no room for another token."""
         self._finish("length")
 
+    def fail(self, message: str) -> None:
+        """The engine failed this request alone (its proposal, grammar or sampling raised): it finishes with
+        finish_reason "error" and keeps the first message."""
+        self.error = self.error or message
+        self._finish("error")
+
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
         self.end_time = time.perf_counter()
@@ -174,5 +185,5 @@ class Sequence:
         }
         return RequestOutput(
             self.request_id, self.prompt, self.token_ids[: self.prompt_len], self.text, self.output_ids,
-            self.finish_reason, metrics, None if self.logprobs is None else list(self.logprobs),
+            self.finish_reason, metrics, None if self.logprobs is None else list(self.logprobs), self.error,
         )

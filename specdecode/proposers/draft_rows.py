@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.cost_model import CostModel
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
 from specdecode.proposers.draft_chain import ChainDraft
@@ -131,6 +132,11 @@ class DraftModelRows(RowTreeValues):
     def catch_up_tokens(self, key: int, seq: SequenceView) -> int:
         lag = len(seq.token_ids) - self.rows[key].num_cached
         return 0 if lag <= 1 else lag
+
+    def configure(self, cost: CostModel) -> None:
+        super().configure(cost)
+        if self._costs is None and cost.draft_step_seconds > 0:  # the engine's measurement (or a cached one) of
+            self._costs = (cost.draft_step_seconds, cost.catch_up_token_seconds)  # this model: not timed again
 
     def step_cost_hint(self) -> float:
         if self._costs is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.cost_model import CostModel
 from specdecode.heads.modules import EagleHead
 from specdecode.model.kv_cache import KVCache
 from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
@@ -113,6 +114,11 @@ class EagleRows(RowTreeValues):
 
     def catch_up_tokens(self, key: int, seq: SequenceView) -> int:
         return 0
+
+    def configure(self, cost: CostModel) -> None:
+        super().configure(cost)
+        if self._cost == 0.0 and cost.draft_step_seconds > 0:  # the engine's measurement (or a cached one) of
+            self._cost = cost.draft_step_seconds  # this head: not timed again
 
     def step_cost_hint(self) -> float:
         """Seconds per draft level, measured once through `propose` itself (see `_level_seconds`)."""

@@ -7,10 +7,12 @@ when there is none), and hands each request's updates to its ``asyncio.Queue`` t
 ``loop.call_soon_threadsafe``. Because aborts are drained before every step, a request whose
 consumer goes away leaves the batch, and frees its cache row, before the next step runs.
 
-No request waits on a thread that is gone: a failing ``step()`` fails the requests in flight and the
-loop goes on; any other exception on the thread (its bookkeeping, the queue) leaves the engine in an
-unknown state, so the thread fails every request in flight and every one not yet queued, refuses new
-ones, and calls ``on_death(1)`` (the server exits non-zero there, so that a supervisor restarts it).
+A request the engine failed alone (its proposal, grammar or sampling raised: finish_reason "error") gets
+its error update and the others go on. No request waits on a thread that is gone: a failing ``step()``
+fails the requests in flight and the loop goes on; any other exception on the thread (its bookkeeping, the
+queue) leaves the engine in an unknown state, so the thread fails every request in flight and every one not
+yet queued, refuses new ones, and calls ``on_death(1)`` (the server exits non-zero there, so that a
+supervisor restarts it).
 The loop's heartbeat tells a step that hangs (``stalled``) from one that works.
 """
 
@@ -309,7 +311,7 @@ class AsyncEngine:
             text = seq.take_stream_text()
             if not (text or seq.finished):
                 continue
-            update = Update(text, seq.num_output, seq.prompt_len, seq.finished, seq.finish_reason)
+            update = Update(text, seq.num_output, seq.prompt_len, seq.finished, seq.finish_reason, error=seq.error)
             if seq.logprobs is not None:
                 update.logprobs = seq.logprobs[live.sent_logprobs :]
                 live.sent_logprobs = len(seq.logprobs)
