@@ -169,6 +169,18 @@ def test_cached_tokens_in_request_metrics(tiny_llama_dir: Path) -> None:
     assert a.metrics["cached_tokens"] == 0 and b.metrics["cached_tokens"] == len(SYSTEM)
 
 
+def test_a_prompt_dicts_cache_salt_picks_its_namespace(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", enable_prefix_caching=True)
+    [first] = llm.generate({"prompt_token_ids": SYSTEM + [100], "cache_salt": "tenant-a"}, _params(4))
+    other, same, none = (llm.generate({"prompt_token_ids": SYSTEM + [101], **salt}, _params(4))[0]
+                         for salt in ({"cache_salt": "tenant-b"}, {"cache_salt": "tenant-a"}, {}))
+    assert first.metrics["cached_tokens"] == 0
+    assert other.metrics["cached_tokens"] == 0 and none.metrics["cached_tokens"] == 0
+    assert same.metrics["cached_tokens"] == len(SYSTEM)  # what the same tenant computed
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt": "hi", "cache_salt": ""}, _params(1))
+
+
 def test_soak_of_mixed_requests(tiny_llama_dir: Path) -> None:
     """200 requests: shared and fresh prefixes, greedy and sampled, a small pool and small chunks; some aborted."""
     llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram", "num_speculative_tokens": 3},

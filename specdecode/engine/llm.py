@@ -294,8 +294,9 @@ class LLM:
 
     def new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         """Validate and tokenize one request (raises ValueError on bad input)."""
+        salt = None
         if isinstance(prompt, dict):
-            prompt = _unwrap_prompt(prompt)
+            prompt, salt = _unwrap_prompt(prompt)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt: give at least one token")
@@ -307,10 +308,12 @@ class LLM:
         vocab = self.target.config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be < the vocabulary size {vocab}")
-        return Sequence(
+        seq = Sequence(
             str(next(self._ids)), ids, params, self.tokenizer, self.target.config.vocab_size, self.device,
             self.seed, prompt=prompt if isinstance(prompt, str) else None,
         )
+        seq.cache_salt = salt
+        return seq
 
     def generate(
         self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | None = None
@@ -369,12 +372,16 @@ class LLM:
                 engine.abort(seq.request_id)
 
 
-def _unwrap_prompt(prompt: dict[str, Any]) -> str | list[int]:
-    """vLLM's TextPrompt / TokensPrompt dicts: exactly one of "prompt" and "prompt_token_ids"."""
-    keys = set(prompt)
+def _unwrap_prompt(prompt: dict[str, Any]) -> tuple[str | list[int], str | None]:
+    """vLLM's TextPrompt / TokensPrompt dicts: exactly one of "prompt" and "prompt_token_ids", and optionally
+    "cache_salt" (the prefix cache's namespace: only prompts with the same salt share cached blocks)."""
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f'"cache_salt" must be a non-empty string, got {salt!r}')
+    keys = set(prompt) - {"cache_salt"}
     if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-        return prompt["prompt"]
+        return prompt["prompt"], salt
     if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
-        return prompt["prompt_token_ids"]
+        return prompt["prompt_token_ids"], salt
     raise ValueError(f'a dict prompt needs exactly one key, "prompt" (text) or "prompt_token_ids" (a list of ids), '
-                     f"got keys {sorted(keys)}")
+                     f'and may have "cache_salt"; got keys {sorted(keys)}')
