@@ -67,7 +67,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     request_timeout_s=args.request_timeout, stall_timeout_s=args.stall_timeout,
                     on_engine_death=process_exit)
-    return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, process_exit)
+    return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, process_exit,
+                      args.limit_concurrency or None)
 
 
 def _check_timeouts(args: argparse.Namespace) -> None:

@@ -194,3 +194,162 @@ def test_specdecode_serve_with_replicas_runs_the_cluster(monkeypatch: pytest.Mon
     assert main(["serve", "--model", "m", "--replicas", "2", "--ray-address", "auto"]) == 0
     assert seen["cfg"].replicas == 2
     assert main(["serve", "--model", "m", "--replicas", "0"]) == 2  # a ValueError: a message, not a traceback
+
+
+# ---- back-pressure and the body limit at the ingress (no Ray started) ---------------------------------------------
+
+
+class _Stream:
+    """What `handle.options(stream=True).handle.remote(...)` gives the ingress: the replica's ASGI messages."""
+
+    def __init__(self, messages: list[dict], error: Exception | None) -> None:
+        self.messages, self.error, self.cancelled = list(messages), error, False
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        if not self.messages:
+            raise StopAsyncIteration
+        return self.messages.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Handle:
+    """A DeploymentHandle of the engine deployment, answering every call with `messages` or raising `error`."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error, self.calls = error, []
+        self.handle = self
+
+    def options(self, **kwargs: object) -> _Handle:
+        return self
+
+    def remote(self, request: dict, **routing: object) -> _Stream:
+        self.calls.append(request)
+        body = b'{"id": "cmpl-1"}'
+        return _Stream([{"type": "replica", "replica": "r0"},
+                        {"type": "http.response.start", "status": 200,
+                         "headers": [(b"content-type", b"application/json")]},
+                        {"type": "http.response.body", "body": body, "more_body": False}], self.error)
+
+
+def _ingress_call(handle: _Handle, chunks: list[bytes], headers: list[tuple[bytes, bytes]] | None = None,
+                  **config: object) -> tuple[int, dict, bytes, int]:
+    """POST /v1/completions through the ingress's app, its body sent in `chunks`: (status, headers, body, chunks
+    read)."""
+    import asyncio
+
+    from specdecode.cluster.deployment import Ingress
+
+    ingress = Ingress.__wrapped__(handle, ClusterConfig(model="m", **config).to_dict())  # the class, unwrapped
+    app = ingress.__serve_build_asgi_app__()
+    pending = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    read, sent = 0, []
+
+    async def receive() -> dict:
+        nonlocal read
+        if not pending:
+            await asyncio.Event().wait()
+        read += 1
+        return pending.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+             "headers": headers or [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, body, read
+
+
+def test_ingress_answers_ray_back_pressure_with_429() -> None:
+    pytest.importorskip("ray.serve")
+    import json
+
+    from ray.serve.exceptions import BackPressureError
+
+    handle = _Handle(BackPressureError(num_queued_requests=4, max_queued_requests=4))
+    status, headers, body, _ = _ingress_call(handle, [b'{"prompt": "hi"}'])
+    assert status == 429 and headers["retry-after"] == "1", body
+    err = json.loads(body)["error"]
+    assert err["code"] == "rate_limit_exceeded" and err["type"] == "rate_limit_error"
+    assert "max_queued_requests=4" in err["message"]
+    assert len(handle.calls) == 1  # no retry on another replica: the queue for all of them is full
+    status, _, body, _ = _ingress_call(_Handle(), [b'{"prompt": "hi"}'])
+    assert status == 200 and body == b'{"id": "cmpl-1"}'
+
+
+def test_ingress_caps_chunked_and_declared_bodies_like_the_server() -> None:
+    pytest.importorskip("ray.serve")
+    limit = 1000
+    handle = _Handle()
+    # Chunked (no Content-Length): refused once past the limit, the rest never read, nothing forwarded.
+    status, _, body, read = _ingress_call(handle, [b"x" * 400] * 10, max_body_bytes=limit)
+    assert status == 413 and b"request body larger than 1000 bytes" in body
+    assert read == 3 and not handle.calls
+    # A declared length over the limit: refused before the body is forwarded.
+    chunk = b"x" * (limit + 1)
+    status, _, _, _ = _ingress_call(handle, [chunk], [(b"content-length", str(len(chunk)).encode())],
+                                    max_body_bytes=limit)
+    assert status == 413 and not handle.calls
+    # Within the limit, chunked: forwarded whole.
+    status, _, _, _ = _ingress_call(handle, [b'{"prompt": ', b'"hi"}'], max_body_bytes=limit)
+    assert status == 200 and handle.calls[0]["body"] == b'{"prompt": "hi"}'
+
+
+def test_deployments_bound_their_queues() -> None:
+    pytest.importorskip("ray.serve")
+    from specdecode.cluster.deployment import INGRESS_QUEUE, build_application
+
+    app = build_application(ClusterConfig(model="m", replicas=2, max_waiting=12))
+    ingress = app._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    assert engine._deployment_config.max_queued_requests == 12  # default: one replica's queue
+    assert ingress._deployment_config.max_queued_requests == INGRESS_QUEUE  # bursts only: it just forwards
+    back = ingress._deployment_config.backpressure_config
+    assert back.status_code == 429 and back.retry_after_s == 1
+    app = build_application(ClusterConfig(model="m", max_queued_requests=5))
+    assert app._bound_deployment.init_args[0]._bound_deployment._deployment_config.max_queued_requests == 5
+
+
+def test_max_queued_requests_flag_and_check() -> None:
+    from specdecode.cli import build_parser
+    from specdecode.cluster.cli import config_from_args
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--replicas", "2", "--max-queued-requests", "7"])
+    assert config_from_args(args).queued_requests == 7
+    with pytest.raises(ValueError, match="--max-queued-requests"):
+        ClusterConfig(model="m", max_queued_requests=0)
+
+
+def test_a_local_ray_binds_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import types
+
+    from specdecode.cluster.cli import LOCAL_RAY_ENV, ClusterServer
+
+    seen: dict = {}
+    ray = types.ModuleType("ray")
+    ray.serve = types.ModuleType("ray.serve")  # type: ignore[attr-defined]
+    ray.init = lambda **kw: seen.update(kw, env={k: os.environ.get(k) for k in LOCAL_RAY_ENV})  # type: ignore
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray.serve", ray.serve)
+    for key in LOCAL_RAY_ENV:
+        monkeypatch.setenv(key, "unset by the test")  # monkeypatch puts the original back afterwards
+    ClusterServer(ClusterConfig(model="m")).start_ray()
+    assert seen["address"] == "local" and seen["env"] == LOCAL_RAY_ENV
+    assert seen["_node_ip_address"] == "127.0.0.1" and seen["include_dashboard"] is False
+    assert seen["dashboard_host"] == "127.0.0.1"
+    for key in LOCAL_RAY_ENV:
+        monkeypatch.setenv(key, "theirs")
+    seen.clear()
+    ClusterServer(ClusterConfig(model="m"), ray_address="auto").start_ray()  # joining: their cluster, their setup
+    assert seen["address"] == "auto" and set(seen["env"].values()) == {"theirs"}

@@ -45,7 +45,9 @@ def test_server_app_version(tiny_llama_dir: Path) -> None:
 
 def test_cluster_app_version() -> None:
     pytest.importorskip("ray.serve")
+    from specdecode.cluster.config import ClusterConfig
     from specdecode.cluster.deployment import Ingress
 
-    app = Ingress.__serve_build_asgi_app__(types.SimpleNamespace())  # routes only: no replica, no handle
+    ingress = types.SimpleNamespace(cfg=ClusterConfig(model="m"), errors=None)  # routes only: no replica, no handle
+    app = Ingress.__serve_build_asgi_app__(ingress)
     assert app.version == specdecode.__version__

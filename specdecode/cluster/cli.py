@@ -1,7 +1,7 @@
 """`specdecode serve ... --replicas N` / `python -m specdecode.cluster ...`: serve on Ray Serve.
 
-With no `--ray-address` a local Ray instance is started (and shut down on exit: SIGINT or SIGTERM
-leave no Ray process behind); with one, the application joins that cluster and is deleted from it on
+With no `--ray-address` a local Ray instance is started, its ports on loopback (and shut down on exit: SIGINT
+or SIGTERM leave no Ray process behind); with one, the application joins that cluster and is deleted from it on
 exit, the cluster itself staying up.
 """
 
@@ -24,6 +24,13 @@ from specdecode.server.serve_args import add_serve_subparser
 
 logger = logging.getLogger("specdecode.cluster")
 CLUSTER_FLAGS = ("replicas", "ray_address", "min_replicas", "max_replicas")
+LOOPBACK = "127.0.0.1"
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Ray's one-machine mode: its processes take 127.0.0.1 as the node's address and bind their ports (GCS, raylet,
+object manager, workers, dashboard agent) there, not on every interface; Ray reads it when imported, and on
+Linux would otherwise resolve even `_node_ip_address="127.0.0.1"` to the machine's routable address. The Serve
+proxy binds `--host`; each Serve replica's inter-deployment gRPC server binds every interface (fixed in Ray
+Serve: no option reaches it)."""
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +50,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--route-saturation", type=int, default=None,
                    help="requests in flight at which a conversation's replica is passed over for the least "
                         "loaded one (default: --max-num-seqs)")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests held for a replica slot while every replica is full; beyond it a 429 with "
+                        "Retry-After (default: --max-waiting)")
     g.add_argument("--ray-num-cpus", type=int, default=None,
                    help="CPUs of a local Ray instance (default: the machine's, at least the replicas' need)")
     g.add_argument("--ray-object-store-mb", type=int, default=256, help="object store of a local Ray instance")
@@ -62,7 +72,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         min_replicas=args.min_replicas, max_replicas=args.max_replicas,
         target_ongoing_requests=args.target_ongoing_requests, replica_threads=args.replica_threads,
         replica_gpus=args.replica_gpus, route_prefix_chars=args.route_prefix_chars,
-        route_saturation=args.route_saturation, drain_timeout_s=args.drain_timeout, **cache_kwargs(args),
+        route_saturation=args.route_saturation, drain_timeout_s=args.drain_timeout,
+        max_queued_requests=args.max_queued_requests, **cache_kwargs(args),
     )
 
 
@@ -76,6 +87,8 @@ class ClusterServer:
         self.owns_ray = False
 
     def start_ray(self) -> None:
+        if self.ray_address is None:  # read when Ray is imported: set it first
+            os.environ.update(LOCAL_RAY_ENV)
         try:
             import ray
             from ray import serve  # noqa: F401
@@ -88,9 +101,10 @@ class ClusterServer:
             top = self.cfg.max_replicas if self.cfg.autoscaling else self.cfg.replicas
             need = max(1, top or 1) * self.cfg.replica_threads
             num_cpus = self.num_cpus if self.num_cpus is not None else max(need, os.cpu_count() or 1)
-            # Workers inherit this process's environment (PYTHONPATH included) from the local raylet.
+            # Workers inherit this process's environment (PYTHONPATH and LOCAL_RAY_ENV included) from the raylet.
             ray.init(address="local", num_cpus=num_cpus, object_store_memory=self.object_store_mb << 20,
-                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+                     _node_ip_address=LOOPBACK, include_dashboard=False, dashboard_host=LOOPBACK,
+                     log_to_driver=False, configure_logging=False)
             self.owns_ray = True
 
     def deploy(self) -> None:

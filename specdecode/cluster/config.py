@@ -39,6 +39,9 @@ class ClusterConfig:
     replica_threads: int = 1
     replica_gpus: float = 0.0
     drain_timeout_s: float = 30.0  # a replica's graceful shutdown: its requests in flight get this long to finish
+    max_queued_requests: int | None = None
+    """Requests the ingress holds for a replica slot when every replica is full (default: max_waiting); more:
+    a 429 (Ray Serve's back-pressure)."""
     # ---- routing ----
     route_prefix_chars: int = DEFAULT_PREFIX_CHARS
     route_saturation: int | None = None
@@ -54,6 +57,8 @@ class ClusterConfig:
         for name, value in checks.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
         if self.replica_gpus < 0:
             raise ValueError(f"--replica-gpus must be >= 0, got {self.replica_gpus}")
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -79,6 +84,12 @@ class ClusterConfig:
     def max_ongoing_requests(self) -> int:
         """What Ray Serve sends one replica at most: its batch plus its queue (beyond it the engine 429s)."""
         return self.max_num_seqs + self.max_waiting
+
+    @property
+    def queued_requests(self) -> int:
+        """Ray Serve's `max_queued_requests` of the engine deployment: requests the ingress's handle holds while no
+        replica has room."""
+        return self.max_queued_requests if self.max_queued_requests is not None else self.max_waiting
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

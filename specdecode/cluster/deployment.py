@@ -2,12 +2,16 @@
 with a FastAPI app) in front of an engine deployment of N replicas (each one `build_app(llm)` of the
 plain server, run in-process).
 
-A request goes: HTTP proxy -> `Ingress` (auth, routing key, retries, merged /metrics) -> one
+A request goes: HTTP proxy -> `Ingress` (auth, body limit, routing key, retries, merged /metrics) -> one
 `EngineReplica` through a DeploymentHandle whose `PrefixAffinityRouter` picks the replica -> the
 replica runs the request through the very app `specdecode serve` runs (same validation, errors and
 SSE) and streams its ASGI messages back. The ingress holds a response back until it shows the client
 some output, so a replica that dies before that is invisible: the request is retried once on another
 replica. A replica that dies after that ends the stream with an OpenAI-shaped error event.
+
+Back-pressure: each replica takes `max_num_seqs + max_waiting` requests; beyond that the ingress's handle
+holds `max_queued_requests` more and refuses the rest (Ray Serve's BackPressureError), which the ingress
+answers with a 429 and Retry-After, as one server answers a full queue.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from specdecode import __version__
@@ -34,6 +39,7 @@ from specdecode.cluster.config import ClusterConfig
 from specdecode.cluster.merge import merge_metrics
 from specdecode.cluster.registry import ROUTER_REGISTRY, live_replicas
 from specdecode.cluster.routing import carries_output, routing_key
+from specdecode.server.middleware import BodyLimitMiddleware
 
 logger = logging.getLogger("specdecode.cluster")
 
@@ -45,6 +51,10 @@ ROUTER_PATH = "specdecode.cluster.router.PrefixAffinityRouter"
 _HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"trailer",
                 b"proxy-authorization", b"proxy-authenticate"}
 RETRY_AFTER_S = 1
+INGRESS_QUEUE = 1024
+"""Requests the HTTP proxy holds for the ingress. The ingress only forwards (its own bound, 100,000 in flight, is
+never the bottleneck), so only a burst waits here for the proxy to hand it over: a generous bound, since Ray
+Serve counts a request as queued until it is assigned, even while the replica has room."""
 
 
 def _error(status: int, message: str, code: str, err_type: str = "service_unavailable_error",
@@ -182,7 +192,7 @@ class _Opened:
 
 
 class _ErrorCounter:
-    """The `request_errors` counter that the server's AuthMiddleware expects of its metrics."""
+    """The `request_errors` counter that the server's middlewares (BodyLimitMiddleware) expect of its metrics."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.request_errors = Counter("specdecode_cluster_request_errors",
@@ -260,7 +270,7 @@ class Ingress:
                     if opened.done or (chunk and carries_output(chunk)):
                         return opened
             raise ReplicaLost(opened.replica, "its response ended without a body")
-        except (ReplicaLost, asyncio.CancelledError):  # lost, or the client went away: drop the call
+        except (ReplicaLost, BackPressureError, asyncio.CancelledError):  # lost, no room, or the client left
             gen.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - the replica died, was unreachable, or its call failed
@@ -272,12 +282,7 @@ class Ingress:
             self.errors.request_errors.labels(code="401").inc()
             return _error(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "invalid_api_key",
                           "authentication_error", {"WWW-Authenticate": "Bearer"})
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
-            self.errors.request_errors.labels(code="413").inc()
-            return _error(413, f"request body larger than {self.cfg.max_body_bytes} bytes", "request_too_large",
-                          "invalid_request_error")
-        body = await request.body()
+        body = await request.body()  # at most --max-body-bytes: BodyLimitMiddleware read it first
         try:
             parsed = json.loads(body) if body else None
         except ValueError:
@@ -287,18 +292,23 @@ class Ingress:
         call = {"method": request.method, "path": request.url.path, "query_string": request.url.query.encode(),
                 "headers": headers, "body": body}
         try:
-            opened = await self._open(call, key, None)
-        except ReplicaLost as first:
-            logger.warning("retrying a request on another replica: %s", first)
-            self.retries.inc()
             try:
-                opened = await self._open(call, key, first.replica)
-            except ReplicaLost as second:
-                logger.warning("the retry failed too: %s", second)
-                self.errors.request_errors.labels(code="503").inc()
-                return _error(503, f"the engine replica serving this request failed before answering, and so did "
-                                   f"the retry on another replica ({second}); retry the request",
-                              "replica_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+                opened = await self._open(call, key, None)
+            except ReplicaLost as first:
+                logger.warning("retrying a request on another replica: %s", first)
+                self.retries.inc()
+                try:
+                    opened = await self._open(call, key, first.replica)
+                except ReplicaLost as second:
+                    logger.warning("the retry failed too: %s", second)
+                    self.errors.request_errors.labels(code="503").inc()
+                    return _error(503, f"the engine replica serving this request failed before answering, and so "
+                                       f"did the retry on another replica ({second}); retry the request",
+                                  "replica_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+        except BackPressureError as exc:  # every replica is full and so is the queue for them
+            self.errors.request_errors.labels(code="429").inc()
+            return _error(429, f"the cluster is busy ({exc}); retry later", "rate_limit_exceeded",
+                          "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})
         status = opened.start.get("status", 500)
         out_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in opened.start.get("headers", [])}
         out_headers[REPLICA_HEADER] = opened.replica or ""
@@ -370,10 +380,24 @@ class Ingress:
         async def forward(request: Request) -> Response:
             return await ingress.forward(request)
 
+        # As on one server: a body over the limit is a 413 by its Content-Length, or as soon as a chunked one
+        # passes the limit, before the ingress holds more of it.
+        app.add_middleware(BodyLimitMiddleware, limit=ingress.cfg.max_body_bytes, metrics=ingress.errors)
         return app
 
 
 # ---- the application -------------------------------------------------------------------------------------
+
+
+def _proxy_back_pressure() -> dict[str, Any]:
+    """The ingress's own queue at the HTTP proxy, answered with a 429 and Retry-After once full (a 503 on a Ray
+    Serve without `BackpressureConfig`)."""
+    options: dict[str, Any] = {"max_queued_requests": INGRESS_QUEUE}
+    try:
+        from ray.serve.config import BackpressureConfig
+    except ImportError:  # pragma: no cover - older Ray Serve
+        return options
+    return {**options, "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S)}
 
 
 def build_application(cfg: ClusterConfig) -> Any:
@@ -382,6 +406,7 @@ def build_application(cfg: ClusterConfig) -> Any:
         "name": ENGINE_DEPLOYMENT,
         "ray_actor_options": {"num_cpus": cfg.replica_threads, "num_gpus": cfg.replica_gpus},
         "max_ongoing_requests": cfg.max_ongoing_requests,
+        "max_queued_requests": cfg.queued_requests,  # the ingress's handle: beyond it BackPressureError, a 429
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": 60,
         "graceful_shutdown_timeout_s": cfg.drain_timeout_s,
@@ -398,6 +423,7 @@ def build_application(cfg: ClusterConfig) -> Any:
         engine_options["num_replicas"] = cfg.replicas
     engine = serve.deployment(EngineReplica).options(**engine_options)
     ingress = serve.deployment(Ingress).options(name=INGRESS_DEPLOYMENT, num_replicas=1,
-                                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+                                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000,
+                                                **_proxy_back_pressure())
     config = cfg.to_dict()
     return ingress.bind(engine.bind(config), config)

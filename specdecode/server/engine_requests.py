@@ -1,11 +1,18 @@
-"""OpenAI requests -> the engine's: checked, tokenized (on the tokenizer thread), turned into `n` Sequences
-with their SamplingParams and queued on the engine as one ChoiceGroup. Everything the engine would refuse is a
-400 naming the field, a full queue a 429 and a dead engine a 503."""
+"""OpenAI requests -> the engine's: checked, tokenized (on the tokenizer thread), their grammar compiled (on a
+grammar thread), turned into `n` Sequences with their SamplingParams and queued on the engine as one ChoiceGroup.
+Everything the engine would refuse is a 400 naming the field, a full queue a 429 and a dead engine a 503.
+
+Work before admission is bounded: a request's size bounds (messages, tools) and the queue are checked before
+any tokenizer or grammar work, and requests being prepared count as waiting, so that a burst beyond the queue
+is refused at once instead of lining up at the tokenizer.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from specdecode.engine.core import QueueFullError
@@ -16,10 +23,15 @@ from specdecode.server.choices import ChoiceGroup
 from specdecode.server.errors import APIError
 from specdecode.server.protocol import SEED_MAX, ChatCompletionRequest, CompletionRequest
 from specdecode.server.state import ServerState
-from specdecode.server.structured import structured_params
+from specdecode.server.structured import compile_constraint, constraint_field, structured_params
 from specdecode.server.tools import ToolPlan, chat_messages, tool_grammar
 
 RETRY_AFTER_S = 1
+MAX_MESSAGES = 2048
+"""Messages of one chat request (OpenAI's bound too); more: a 400 before the chat template runs."""
+MAX_TOOL_BYTES = 64 << 10
+"""One tool's definition as JSON (its name, description and parameter schema); larger: a 400 before the chat
+template or the grammar engine sees it."""
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens",
                     "logit_bias", "logprobs"}
@@ -58,17 +70,19 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Cho
         if not prompt:
             raise APIError(400, "prompt is empty", "prompt")
         _check_text(prompt, "prompt")
-        text = prompt
-        try:
-            ids = await state.run_tokenizer(lambda: state.llm.tokenizer.encode(text))
-        except Exception as exc:
-            raise APIError(400, f"cannot tokenize the prompt: {exc}", "prompt") from None
-    else:
-        ids = list(prompt)
-    if not ids:
-        raise APIError(400, "prompt is empty", "prompt")
-    seqs = _sequences(state, body, ids, "prompt", body.max_tokens, body.logprobs)
-    return await _submit(state, body, seqs)
+    with _queue_place(state, body.n or 1):
+        if isinstance(prompt, str):
+            text = prompt
+            try:
+                ids = await state.run_tokenizer(lambda: state.llm.tokenizer.encode(text))
+            except Exception as exc:
+                raise APIError(400, f"cannot tokenize the prompt: {exc}", "prompt") from None
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise APIError(400, "prompt is empty", "prompt")
+        seqs = await _sequences(state, body, ids, "prompt", body.max_tokens, body.logprobs)
+        return await _submit(state, body, seqs)
 
 
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan | None) -> ChoiceGroup:
@@ -76,10 +90,52 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, plan: To
     _check_common(state, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    ids = await _chat_prompt_ids(state, body, plan)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _submit(state, body, _sequences(state, body, ids, "messages", max_tokens, logprobs, plan))
+    _check_sizes(body)
+    with _queue_place(state, body.n or 1):
+        ids = await _chat_prompt_ids(state, body, plan)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        seqs = await _sequences(state, body, ids, "messages", max_tokens, logprobs, plan)
+        return await _submit(state, body, seqs)
+
+
+def _check_sizes(body: ChatCompletionRequest) -> None:
+    """The bounds on a conversation's size that the body limit leaves too loose for the chat template."""
+    if len(body.messages) > MAX_MESSAGES:
+        raise APIError(400, f"messages has {len(body.messages)} entries; at most {MAX_MESSAGES} are allowed",
+                       "messages")
+    for i, tool in enumerate(body.tools or ()):
+        size = len(tool.model_dump_json(exclude_none=True))
+        if size > MAX_TOOL_BYTES:
+            raise APIError(400, f"tools[{i}] ({tool.function.name!r}) is {size} bytes as JSON; a tool's definition "
+                                f"may take at most {MAX_TOOL_BYTES} bytes", "tools")
+
+
+@contextmanager
+def _queue_place(state: ServerState, n: int) -> Iterator[None]:
+    """Hold `n` places in the engine's queue while the request is tokenized, compiled and queued: the check
+    comes before any of that work (a 429 then costs none of it), and requests being prepared count as waiting,
+    less those that free rows take at the next step. The check reads the engine thread's state as it stands (a
+    snapshot); the engine's own check, when it queues them, stays the final word."""
+    engine = state.engine.engine
+    queue = engine.max_waiting
+    if queue is not None:
+        if n > queue:  # could never be queued: a 429 would be retried forever
+            raise APIError(400, f"n ({n}) exceeds the requests this server queues at once ({queue})", "n")
+        free_rows = engine.max_num_seqs - len(engine.running) - (engine.prefilling is not None)
+        waiting = max(0, len(engine.waiting) + state.preparing - max(0, free_rows))
+        if waiting + n > queue:
+            raise _busy(f"{waiting} requests already waiting")
+    state.preparing += n
+    try:
+        yield
+    finally:
+        state.preparing -= n
+
+
+def _busy(why: str) -> APIError:
+    return APIError(429, f"the server is busy ({why}); retry later", None, "rate_limit_exceeded",
+                    {"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
@@ -97,11 +153,12 @@ async def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan
         raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
 
 
-def _sequences(state: ServerState, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
-               prompt_field: str, max_tokens: int | None, logprobs: int | None,
-               plan: ToolPlan | None = None) -> list[Sequence]:
-    """The request's `n` sequences: one prompt, one prefill group, choice i seeded with seed + i (each
-    choice compiles its own grammar matcher under structured outputs or a tool grammar)."""
+async def _sequences(state: ServerState, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
+                     prompt_field: str, max_tokens: int | None, logprobs: int | None,
+                     plan: ToolPlan | None = None) -> list[Sequence]:
+    """The request's `n` sequences: one prompt, one prefill group, choice i seeded with seed + i (under
+    structured outputs or a tool grammar, the grammar is compiled once, off the event loop, and each choice
+    follows it with its own copy of the matcher)."""
     if any(t >= state.vocab_size for t in ids):
         raise APIError(400, f"token ids must be < the vocabulary size {state.vocab_size}", prompt_field)
     room = state.llm.max_model_len - len(ids)
@@ -125,7 +182,8 @@ def _sequences(state: ServerState, body: ChatCompletionRequest | CompletionReque
         _check_text(s, "stop")
     kwargs["stop_token_ids"] = tuple(body.stop_token_ids or ())
     kwargs["ignore_eos"] = bool(body.ignore_eos)
-    kwargs["structured_outputs"] = structured_params(body, tool_grammar(plan) if plan is not None else None)
+    tools = tool_grammar(plan) if plan is not None else None
+    kwargs["structured_outputs"] = structured = structured_params(body, tools)
     kwargs["logprobs"] = logprobs
     kwargs["min_tokens"] = body.min_tokens or 0
     kwargs["logit_bias"] = _logit_bias(state, body.logit_bias)
@@ -135,6 +193,11 @@ def _sequences(state: ServerState, body: ChatCompletionRequest | CompletionReque
         seeds = [base + i if base + i <= SEED_MAX else base - i for i in range(n)]
     try:
         params = SamplingParams(max_tokens=max_tokens, **kwargs)
+    except ValueError as exc:
+        raise _field_error(exc, prompt_field) from None
+    if structured is not None:
+        await compile_constraint(structured, constraint_field(body, tools), state.llm.tokenizer, state.vocab_size)
+    try:
         if n == 1:
             seqs = [state.llm.new_sequence(ids, params)]
         else:
@@ -146,8 +209,13 @@ def _sequences(state: ServerState, body: ChatCompletionRequest | CompletionReque
             seq.cache_salt = body.cache_salt
         return seqs
     except ValueError as exc:
-        word = str(exc).split(" ", 1)[0]
-        raise APIError(400, str(exc), word if word in _SAMPLING_FIELDS else prompt_field) from None
+        raise _field_error(exc, prompt_field) from None
+
+
+def _field_error(exc: ValueError, prompt_field: str) -> APIError:
+    """A 400 naming the sampling field the message starts with, else the prompt."""
+    word = str(exc).split(" ", 1)[0]
+    return APIError(400, str(exc), word if word in _SAMPLING_FIELDS else prompt_field)
 
 
 def _logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, float]:
@@ -165,14 +233,10 @@ async def _submit(state: ServerState, body: ChatCompletionRequest | CompletionRe
     spec = body.speculative
     k = spec.num_speculative_tokens if spec is not None else None
     k_override = k if isinstance(k, int) else None
-    queue = state.engine.engine.max_waiting
-    if queue is not None and len(seqs) > queue:  # could never be queued: a 429 would be retried forever
-        raise APIError(400, f"n ({len(seqs)}) exceeds the requests this server queues at once ({queue})", "n")
     try:
         return ChoiceGroup(await state.engine.add_group(seqs, k_override))
     except QueueFullError as exc:
-        raise APIError(429, f"the server is busy ({exc}); retry later", None, "rate_limit_exceeded",
-                       {"Retry-After": str(RETRY_AFTER_S)}) from None
+        raise _busy(str(exc)) from None
     except EngineDeadError as exc:
         raise APIError(503, str(exc), None, "engine_unavailable",
                        {"Retry-After": str(RETRY_AFTER_S)}) from None

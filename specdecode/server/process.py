@@ -71,10 +71,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str, drain_timeout_s: float,
-               process_exit: ProcessExit) -> int:
+               process_exit: ProcessExit, limit_concurrency: int | None = None) -> int:
     """Serve `app` until SIGTERM (drained: 0), SIGINT, or the engine's death (`process_exit.code`, 1); the exit
-    code."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    code. Beyond `limit_concurrency` connections or requests in progress (None: no limit), uvicorn answers 503."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                            limit_concurrency=limit_concurrency)
     server = DrainingServer(config, app.state.server, drain_timeout_s)
     process_exit.server = server
     server.run()

@@ -8,6 +8,19 @@ import os
 
 from specdecode.cli_args import add_cache_args, add_model_args
 
+LIMIT_CONCURRENCY = 1024
+
+
+def _count(text: str) -> int:
+    """A count >= 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
 
 def add_serve_subparser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """The `serve` subcommand with the server's flags (the caller adds the cluster's and sets what runs it)."""
@@ -33,6 +46,10 @@ def add_serve_subparser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                         "(default: %(default)s)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="larger request bodies get a 413 (default: %(default)s)")
+    s.add_argument("--limit-concurrency", type=_count, default=LIMIT_CONCURRENCY, metavar="N",
+                   help="connections (and requests in progress) the HTTP server holds at once; beyond it uvicorn "
+                        "answers 503 at once, before any parsing; 0 = no limit (default: %(default)s; with "
+                        "--replicas, --max-queued-requests bounds the cluster instead)")
     s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="the longest a request may take, queueing included; past it a 408 (a stream: an error "
                         "event), its row freed. A request's own 'timeout' field may only shorten it "

@@ -48,6 +48,7 @@ class ServerState:
         self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdecode-tokenize")
         self.tokenize_pool.submit(warm_grammar_engine, llm.tokenizer, self.vocab_size)  # off the event loop
         self.token_text = TokenText(llm.tokenizer)
+        self.preparing = 0  # requests checked against the queue and not yet in it (engine_requests._queue_place)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_names:

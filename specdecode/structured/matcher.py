@@ -4,11 +4,18 @@ A matcher follows one request's output token by token: `allowed()` is the mask o
 accepts next (EOS only where the output so far is complete), `consume` advances it, `rollback` undoes the
 last tokens (the engine walks a draft tree with consume/rollback and keeps only committed tokens).
 llguidance is imported here only, on the first constrained request (the `serve` extra installs it).
+
+Grammars are compiled under limits lower than llguidance's defaults (`LIMITS`), and the last few compiled are
+kept: a request with a grammar seen before, or the other choices of an `n` > 1 request, start from a copy
+instead of compiling again. The server compiles on a grammar thread (`compiled_grammar`), so that the sequence
+built on the event loop (`build_matcher`) only copies.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -43,7 +50,26 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 """JSON as `json.dumps` and chat templates write it: one space after ':' and ',', no other blank space (free
 whitespace lets a model, or a random one, wander through runs of blanks)."""
 
+LIMITS = {  # llguidance's defaults after each
+    "initial_lexer_fuel": 250_000,  # 1,000,000: the lexer's work when the grammar is compiled
+    "step_lexer_fuel": 100_000,  # 200,000: the lexer's work for one token mask
+    "step_max_items": 20_000,  # 50,000: parser items for one token mask
+    "max_lexer_states": 50_000,  # 250,000: lexer states one matcher builds (its memory)
+    "max_grammar_size": 200_000,  # 500,000: symbols of the compiled grammar
+}
+"""llguidance's resource limits, below its defaults: a grammar past them is refused when compiled (a 400), and
+a token mask past them ends the output (EOS) rather than stall the engine's step. `max_items_in_row` keeps its
+default (2,000): a `choice` of up to 1,024 strings is one row."""
+COMPILED_KEPT = 32
+"""Compiled grammars kept per tokenizer, the least recently used dropped first."""
+
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary[Any, OrderedDict[tuple[int, StructuredOutputsParams], Any]] = (
+    weakref.WeakKeyDictionary())
+_LOCK = threading.Lock()
+"""Guards both caches: matchers are built on the server's grammar threads and on the event loop."""
+_BUILD_LOCK = threading.Lock()
+"""One tokenizer view is built at a time (the server's warm-up and a first constrained request may race)."""
 
 
 def _import_llguidance() -> Any:
@@ -57,15 +83,22 @@ def _import_llguidance() -> Any:
 
 
 def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
-    """llguidance's view of the tokenizer over the model's vocab_size logits (built once, ~1 s)."""
-    cached = _TOKENIZERS.get(tokenizer)
+    """llguidance's view of the tokenizer over the model's vocab_size logits (built once, ~1 s; a second
+    thread asking meanwhile waits for it)."""
+    with _LOCK:
+        cached = _TOKENIZERS.get(tokenizer)
     if cached is not None and cached[0] == vocab_size:
         return cached[1]
-    llg = _import_llguidance()
-    eos = tokenizer.eos_token_id
-    lltok = llg.hf.from_tokenizer(tokenizer.hf, n_vocab=max(vocab_size, len(tokenizer.hf)), eos_token=eos)
-    _TOKENIZERS[tokenizer] = (vocab_size, lltok)
-    return lltok
+    with _BUILD_LOCK:
+        cached = _TOKENIZERS.get(tokenizer)
+        if cached is not None and cached[0] == vocab_size:
+            return cached[1]
+        llg = _import_llguidance()
+        eos = tokenizer.eos_token_id
+        lltok = llg.hf.from_tokenizer(tokenizer.hf, n_vocab=max(vocab_size, len(tokenizer.hf)), eos_token=eos)
+        with _LOCK:
+            _TOKENIZERS[tokenizer] = (vocab_size, lltok)
+        return lltok
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -86,13 +119,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 class LLGuidanceMatcher:
     """A `TokenMatcher` over llguidance's `LLMatcher`."""
 
-    def __init__(self, lltok: Any, grammar: str, vocab_size: int, eos_token_id: int | None) -> None:
-        llg = _import_llguidance()
+    def __init__(self, matcher: Any, vocab_size: int, eos_token_id: int | None) -> None:
         self.vocab_size = vocab_size
         self.eos = eos_token_id
-        self._m = llg.LLMatcher(lltok, grammar, log_level=0)
-        if self._m.is_error():
-            raise ValueError(f"invalid grammar: {self._m.get_error()}")
+        self._m = matcher
 
     def allowed(self) -> torch.Tensor:
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
@@ -124,10 +154,40 @@ class LLGuidanceMatcher:
         return self._m.get_error()
 
 
-def build_matcher(params: StructuredOutputsParams, tokenizer: Tokenizer, vocab_size: int) -> LLGuidanceMatcher:
-    """A fresh matcher for one request; raises ValueError on a grammar the engine refuses."""
+def compile_grammar(params: StructuredOutputsParams, lltok: Any) -> Any:
+    """llguidance's matcher of a constraint, at its start, compiled under `LIMITS`; raises ValueError on a
+    grammar llguidance refuses (invalid, or past a limit). Releases the GIL while it compiles."""
+    llg = _import_llguidance()
     try:
         grammar = grammar_text(params)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"structured_outputs: {exc}") from None
-    return LLGuidanceMatcher(ll_tokenizer(tokenizer, vocab_size), grammar, vocab_size, tokenizer.eos_token_id)
+    matcher = llg.LLMatcher(lltok, grammar, log_level=0, limits=llg.LLParserLimits(**LIMITS))
+    if matcher.is_error():
+        raise ValueError(f"invalid grammar: {matcher.get_error()}")
+    return matcher
+
+
+def compiled_grammar(params: StructuredOutputsParams, tokenizer: Tokenizer, vocab_size: int) -> Any:
+    """The constraint's compiled matcher, at its start: the one kept, else compiled now and kept (never advance
+    it: copy it); raises ValueError on a grammar the engine refuses."""
+    key = (vocab_size, params)
+    with _LOCK:
+        kept = _COMPILED.setdefault(tokenizer, OrderedDict())
+        compiled = kept.get(key)
+        if compiled is not None:
+            kept.move_to_end(key)
+            return compiled
+    compiled = compile_grammar(params, ll_tokenizer(tokenizer, vocab_size))
+    with _LOCK:
+        kept[key] = compiled
+        while len(kept) > COMPILED_KEPT:
+            kept.popitem(last=False)
+    return compiled
+
+
+def build_matcher(params: StructuredOutputsParams, tokenizer: Tokenizer, vocab_size: int) -> LLGuidanceMatcher:
+    """A fresh matcher for one request (a copy of the compiled grammar); raises ValueError on a grammar the
+    engine refuses."""
+    compiled = compiled_grammar(params, tokenizer, vocab_size)
+    return LLGuidanceMatcher(compiled.deep_copy(), vocab_size, tokenizer.eos_token_id)
