@@ -252,6 +252,8 @@ def client_loop(i: int, url: str, args: argparse.Namespace, model: str, end: flo
             except (ValueError, KeyError, IndexError, TypeError) as exc:  # not the JSON it should be
                 kind, outcome = "any", f"bad_response:{type(exc).__name__}"
             tally[(kind, outcome)] += 1
+            if outcome in ("429", "503"):  # back off as OpenAI's client does, instead of hammering the queue
+                time.sleep(min(rng.uniform(0.5, 1.5), max(0.0, end - time.monotonic())))
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
