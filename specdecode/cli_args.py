@@ -115,9 +115,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "quantized target); gguf runs a GGUF file's own quantized blocks (AVX512-VNNI or AVX2 kernels)")
     p.add_argument("--num-speculative-tokens", default=None, help='k, or "auto" (default)')
     p.add_argument("--batch-invariant", action="store_true",
-                   help="compute every token of the target's forwards as if alone (--dtype fp32): logits and "
-                        "logprobs have the same bits with speculation on or off, in any batch, at the cost of "
-                        "one pass over the weights per token")
+                   help="on torch's fallback kernels (no AVX512-BF16), compute every token of the target's "
+                        "forwards as if alone (--dtype fp32), at one pass over the weights per token; our kernels "
+                        "give every token the same bits in any batch by default")
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -1,6 +1,10 @@
-"""Batch-invariant mode (`LLM(batch_invariant=True)`): every token of a forward is computed as if alone, so its
-logits have the same bits however many tokens, rows or cached positions the forward holds; logprobs are then
-identical with speculation on or off (fp32)."""
+"""A request's output does not depend on what else runs: on the default CPU paths (our kernels) a token's logits
+have the same bits however many tokens, rows or cached positions its forwards hold (tests/test_row_invariance.py
+checks each path forward by forward), so a request gives the same tokens and logprobs alone or in a batch, with its
+prompt prefilled whole or in chunks, from the prefix cache or not, with speculation on or off.
+
+Batch-invariant mode (`LLM(batch_invariant=True)`) extends this to the torch fallbacks (fp32 without our kernels:
+linears row by row, attention query by query at any length); with our kernels it changes nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
+from specdecode.model import native_kernels
 from specdecode.model.load import load_model
 
 
@@ -62,3 +67,40 @@ def test_logprobs_have_the_same_bits_with_speculation_on_and_off(spec: dict, tin
 def test_batch_invariant_mode_needs_fp32(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="batch_invariant needs dtype='fp32'"):
         LLM(str(tiny_llama_dir), dtype="bf16", batch_invariant=True)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """8 prompts of 5 to 120 tokens (past the few-row forwards), some sharing a long prefix (prefix-cache hits)."""
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, vocab, (70,), generator=gen).tolist()
+    out = []
+    for i, n in enumerate([5, 120, 33, 90, 12, 67, 100, 48]):
+        own = torch.randint(3, vocab, (n,), generator=gen).tolist()
+        out.append(shared[: n // 2] + own[: n - n // 2] if i % 2 else own)
+    return out
+
+
+def _bits(outputs: list) -> list:
+    return [(o.token_ids, [(e.token_id, e.logprob, e.top) for e in o.logprobs or []]) for o in outputs]
+
+
+@pytest.mark.skipif(not native_kernels.available(), reason="no AVX512-BF16 CPU or no C compiler")
+@pytest.mark.parametrize(("dtype", "spec", "params"), [
+    ("bf16", None, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)),
+    ("bf16", None, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True, logprobs=1)),
+    ("bf16", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+     SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)),
+    ("fp32", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+     SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)),
+], ids=["bf16-greedy", "bf16-sampled", "bf16-ngram", "fp32-ngram"])
+def test_a_request_has_the_same_bits_alone_or_in_a_batch(tiny_qwen_dir: Path, dtype: str, spec: dict | None,
+                                                          params: SamplingParams) -> None:
+    """Default settings (no batch-invariant mode): 8 requests as one batch, their prompts prefilled in chunks
+    of 32 tokens between the others' steps and partly from the prefix cache, against each request alone with
+    no prefix cache, prefilled whole."""
+    batch = LLM(str(tiny_qwen_dir), dtype=dtype, speculative_config=spec, max_num_batched_tokens=32)
+    alone = LLM(str(tiny_qwen_dir), dtype=dtype, speculative_config=spec, enable_prefix_caching=False,
+                max_num_batched_tokens=0)
+    prompts = _prompts(batch.target.model.config.vocab_size)
+    together = batch.generate(prompts, params)
+    assert _bits(together) == _bits([alone.generate([p], params)[0] for p in prompts])

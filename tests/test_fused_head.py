@@ -17,6 +17,7 @@ from specdecode.heads.features import generate_features, load_shard
 from specdecode.heads.modules import IncompatibleHeadError
 from specdecode.heads.persist import load_head, new_head, save_head
 from specdecode.heads.train import TrainOptions, train_head
+from specdecode.model.fast_linear import convert_linears, target_linear_format
 from specdecode.model.load import load_model
 
 LAYERS = [0, 1, 2]  # the tiny Llama has 2 layers: its embeddings, after layer 0, after the last
@@ -69,6 +70,7 @@ def test_the_engine_hands_the_head_its_fused_layers(tiny_llama_dir: Path, fused_
     llm.generate([prompt], GREEDY)
     proposer = llm.engine.proposer
     target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
+    convert_linears(target, target_linear_format("none", target.dtype, target.device))  # the kernels LLM runs
     ids = torch.tensor([prompt])
     pos = torch.arange(len(prompt))[None]
     streams = [target.model.embed_tokens(ids), *_layer_outputs(target, ids, pos)]

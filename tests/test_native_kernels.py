@@ -13,7 +13,8 @@ import torch
 from linear_helpers import BF16_HALF_ULP, FP32_ULP, bf16_linear, check_bound, inputs
 
 from specdecode.model import native_kernels, native_layouts
-from specdecode.model.bf16_linear import NATIVE_BF16_MAX_ROWS, BF16Linear
+from specdecode.model.bf16_linear import BF16Linear
+from specdecode.model.f32_linear import F32Linear
 from specdecode.model.int4_linear import Int4WeightLinear
 from specdecode.model.int8_linear import Int8WeightLinear
 
@@ -93,7 +94,7 @@ def test_rows_are_independent(fmt: str, dtype: torch.dtype) -> None:
     """Every row of a forward as large as a tree's verification equals that row alone, bit for bit."""
     # 102: not a multiple of the 4- or 16-row tiles
     module = CLASSES[fmt](bf16_linear(102, 256, seed=3), native=True)
-    rows = NATIVE_BF16_MAX_ROWS if fmt == "bf16" else 70
+    rows = 70
     x = inputs(rows, 256, seed=4).to(dtype)
     x[5] *= 50  # one token with much larger activations
     full = module(x)
@@ -127,14 +128,23 @@ def test_bf16_kernel_parity(rows: int, bias: bool) -> None:
 
 
 @needs_native
-def test_bf16_prefill_takes_torch_matmul() -> None:
-    """Longer forwards than a verification (prompt prefill) go to torch's bf16 matmul, same weights."""
-    lin = bf16_linear(64, 128, seed=9)
-    module = BF16Linear(lin, native=True)
-    x = inputs(NATIVE_BF16_MAX_ROWS + 1, 128, seed=10).bfloat16()
-    w, b = lin.weight.detach().bfloat16(), lin.bias.detach().bfloat16()
-    assert torch.equal(module(x), torch.nn.functional.linear(x, w, b))
-    check_bound(module(x), x.double(), lin.weight.detach(), lin.bias.detach(), BF16_HALF_ULP)
+@pytest.mark.parametrize("fmt", ["bf16", "f32"])
+def test_prefill_rows_are_independent(fmt: str) -> None:
+    """A prefill's rows (here in several superblocks of output channels) equal the rows alone, bit for bit, and
+    the products within the bound; fp32 in the fp32 format."""
+    lin = bf16_linear(202, 2048, seed=9)
+    w, b = lin.weight.detach(), lin.bias.detach()
+    if fmt == "f32":
+        lin = lin.float()
+        module, x, rel = F32Linear(lin), inputs(130, 2048, seed=10), 4 * FP32_ULP
+    else:
+        module, x, rel = BF16Linear(lin, native=True), inputs(130, 2048, seed=10).bfloat16(), BF16_HALF_ULP
+    with torch.inference_mode():
+        full = module(x)
+        for i in (0, 1, 47, 48, 96, 129):
+            assert torch.equal(module(x[i : i + 1]), full[i : i + 1])
+        assert torch.equal(module(x[45:100]), full[45:100])
+    check_bound(full, x.double(), w.float() if fmt == "f32" else w, b, rel)
 
 
 def test_int4_kernel_needs_whole_groups_of_128() -> None:

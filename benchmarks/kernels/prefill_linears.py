@@ -61,8 +61,8 @@ def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.T
         out["int8 weight-only, q as bf16 + oneDNN"] = lambda x: F.linear(x, i8.weight.to(torch.bfloat16)) * i8.scales
     if native_kernels.available():
         out["int8-dynamic, ours"] = Int8DynamicLinear(lin, native=True)
-        out["bf16, ours (the decode kernel; used up to 65 rows)"] = lambda x: native_gemm.bf16_gemm(x, w)
-        out["bf16, torch matmul (row-major weights: prefill)"] = lambda x: F.linear(x, w)
+        out["bf16, ours (every row count: decode and prefill)"] = lambda x: native_gemm.bf16_gemm(x, w)
+        out["bf16, torch matmul (row-major weights; rows not independent)"] = lambda x: F.linear(x, w)
         out["int8 weight-only, ours"] = Int8WeightLinear(lin, native=True)
         out["int4 weight-only, ours"] = Int4WeightLinear(lin, native=True)
     return out

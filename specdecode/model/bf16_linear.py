@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdecode.model import native_gemm, native_kernels, native_layouts
@@ -35,10 +34,10 @@ def bf16_copies_weights() -> bool:
     return bf16_uses_avx2_kernel() or (native_kernels.available() and native_kernels.amx_available())
 
 
-NATIVE_BF16_MAX_ROWS = 65
-"""Rows up to which bf16 linears take our kernel: one token, or the verification of a chain or of a tree of
-up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) go to torch: oneDNN,
-or fp32 matmuls on chunks (`fp32_linear_by_chunks`) on AVX2-only CPUs. (The AMX kernel has no such limit.)"""
+AVX2_MAX_ROWS = 65
+"""Rows up to which the AVX2 kernel takes a bf16 linear: one token, or the verification of a chain or of a tree of
+up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) take fp32 matmuls on
+chunks of the weights (`fp32_linear_by_chunks`), whose rows are not independent of each other."""
 
 
 FP32_CHUNK_CHANNELS = 256
@@ -72,12 +71,13 @@ class BF16Linear(nn.Module):
     """The model's own bf16 weights: the exact target's format on CPU.
 
     With our kernels (`native`): they read the weights for one token faster than oneDNN's pre-packed ones, and
-    a row's result does not depend on the other rows of the forward. Prefill goes to torch's bf16 matmul, which
-    re-packs the weights per call: little next to a long prompt's arithmetic. Without them: oneDNN's weights
-    pre-packed once (the plain bf16 matmul re-packs on every call and reads a single token at a fraction of
-    memory bandwidth). On Intel CPUs with AMX, our AMX kernel takes every forward, prefill included
-    (`native_gemm.bf16_gemm_amx`): a many-row verification there costs little more than one row, where the
-    AVX512 kernel's bf16 dot products are slow on those cores (docs/kernels.md)."""
+    a row's result does not depend on the other rows of the forward, at any row count (prefill included: a
+    token's result is the same in a decode step, a verification, a chunk or a whole prompt). Without them:
+    oneDNN's weights pre-packed once (the plain bf16 matmul re-packs on every call and reads a single token at a
+    fraction of memory bandwidth), whose rounding of a row depends on the row count. On Intel CPUs with AMX,
+    our AMX kernel takes every forward, prefill included (`native_gemm.bf16_gemm_amx`): a many-row verification
+    there costs little more than one row, where the AVX512 kernel's bf16 dot products are slow on those cores
+    (docs/kernels.md)."""
 
     def __init__(self, linear: nn.Linear, native: bool | None = None, own: bool = False) -> None:
         """own: copy the weights even where they are bf16 already (a quantizing conversion frees what was loaded;
@@ -92,7 +92,7 @@ class BF16Linear(nn.Module):
         """Intel CPUs with AMX: our AMX kernel for every row count (prefill too), weights re-laid out."""
         self.avx2 = not self.native and bf16_uses_avx2_kernel()
         """A CPU without AVX512 (oneDNN's bf16 matmul refuses to run): our AVX2 kernel for a few rows,
-        fp32 matmuls for prefill."""
+        fp32 matmuls for prefill (`AVX2_MAX_ROWS`)."""
         if self.amx:
             self.packed_amx = native_layouts.pack_bf16_amx(w)  # [N/64, K/32, 4, 16, 16, 2]; a copy (tied too)
         elif self.native:
@@ -110,11 +110,10 @@ class BF16Linear(nn.Module):
         if self.amx:
             y = native_gemm.bf16_gemm_amx(x, self.packed_amx, self.out_features, self.bias)  # [M, N], x's dtype
             return y.reshape(*shape[:-1], y.shape[-1])
-        if x.numel() // shape[-1] > NATIVE_BF16_MAX_ROWS:
-            if self.avx2:  # torch's bf16 matmul has no fast path here: fp32 matmuls on chunks of the weights
-                y = fp32_linear_by_chunks(x.reshape(-1, shape[-1]), self.packed_avx2, self.out_features, self.bias)
-                return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)  # [..., N]
-            return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+        if self.avx2 and x.numel() // shape[-1] > AVX2_MAX_ROWS:
+            # torch's bf16 matmul has no fast path here: fp32 matmuls on chunks of the weights
+            y = fp32_linear_by_chunks(x.reshape(-1, shape[-1]), self.packed_avx2, self.out_features, self.bias)
+            return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)  # [..., N]
         if self.avx2:
             y = native_gemm.bf16_gemm_avx2(x, self.packed_avx2, self.out_features, self.bias)  # [M, N], x's dtype
         else:

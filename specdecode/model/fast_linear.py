@@ -4,6 +4,7 @@ and which format a target or a draft takes.
 - `bf16` (`bf16_linear`): the model's own bf16 weights, on our AMX, AVX512-BF16 or AVX2 kernel where one builds,
   else pre-packed once into oneDNN's blocked layout (the plain bf16 matmul re-packs on every call). Exact w.r.t.
   the bf16 model up to accumulation order.
+- `f32` (`f32_linear`): the fp32 model's own weights on our AVX512 kernel, rows independent of each other.
 - `int8` (`int8_linear`): weight-only int8 with per-channel scales (our AVX512 or AVX2 kernel where it builds;
   else `torch._weight_int8pack_mm`).
 - `int8-dynamic` (`int8_linear`): int8 weights x int8 activations quantized per token at run time (our VNNI
@@ -26,16 +27,18 @@ from torch import nn
 from specdecode.config import QUANTIZATIONS
 from specdecode.model import native_kernels
 from specdecode.model.bf16_linear import BF16Linear
+from specdecode.model.f32_linear import F32Linear
 from specdecode.model.int4_linear import Int4HybridLinear, Int4WeightLinear
 from specdecode.model.int8_linear import Int8DynamicLinear, Int8WeightLinear
 
-LinearFormat = Literal["none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid", "gguf"]
-FORMATS: tuple[str, ...] = ("none", "bf16", "int8", "int8-dynamic", "int4", "int4-hybrid")
+LinearFormat = Literal["none", "bf16", "f32", "int8", "int8-dynamic", "int4", "int4-hybrid", "gguf"]
+FORMATS: tuple[str, ...] = ("none", "bf16", "f32", "int8", "int8-dynamic", "int4", "int4-hybrid")
 """Formats `convert_linears` converts nn.Linear layers into ("gguf" linears are built at load instead)."""
 
 
 _CONSTRUCTORS = {
     "bf16": BF16Linear,
+    "f32": F32Linear,
     "int8": Int8WeightLinear,
     "int8-dynamic": Int8DynamicLinear,
     "int4": Int4WeightLinear,
@@ -43,7 +46,7 @@ _CONSTRUCTORS = {
 }
 
 
-NATIVE_FORMATS: tuple[str, ...] = ("bf16", "int8", "int8-dynamic", "int4", "int4-hybrid")
+NATIVE_FORMATS: tuple[str, ...] = ("bf16", "f32", "int8", "int8-dynamic", "int4", "int4-hybrid")
 """Formats that run on our kernels or torch's (`native`)."""
 
 
@@ -63,7 +66,7 @@ def convert_linears(model: nn.Module, fmt: LinearFormat, native: bool | None = N
     for module in parents:
         for child_name in [n for n, c in module.named_children() if isinstance(c, nn.Linear)]:
             setattr(module, child_name, make(getattr(module, child_name)))
-    if fmt != "bf16":  # bf16 keeps the loaded weights themselves (mapped from the file): nothing to free
+    if fmt not in ("bf16", "f32"):  # these keep the loaded weights themselves (mapped from the file): nothing to free
         _own_remaining_parameters(model)
     return model
 
@@ -80,7 +83,8 @@ def _own_remaining_parameters(model: nn.Module) -> None:
 
 def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormat:
     """The target keeps its weights unless the user opts into quantization; on CPU in bf16 they run on
-    the `bf16` format (same values, faster kernels)."""
+    the `bf16` format (same values, faster kernels), in fp32 on the `f32` format where our kernels run (same
+    values, rows independent of each other)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if device.type != "cpu":
@@ -89,7 +93,9 @@ def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.de
         return "none"
     if quantization != "none":
         return quantization  # type: ignore[return-value]
-    return "bf16" if dtype == torch.bfloat16 else "none"
+    if dtype == torch.bfloat16:
+        return "bf16"
+    return "f32" if dtype == torch.float32 and native_kernels.available() else "none"
 
 
 def draft_linear_format(quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormat:

@@ -9,7 +9,7 @@ AVX2 with AVX-VNNI, AVX2 (+FMA), else portable C; all give the same bits.
 
 Where no kernel builds (no C compiler, SPECDECODE_NATIVE_KERNELS=0) or a tensor has another type (F16,
 Q2_K...), the linear keeps the dequantized weights in the model dtype instead, with a warning: the same
-model, the bf16 path's memory.
+model, the bf16 path's memory, on our bf16 / fp32 kernel where it runs (rows independent), else torch's matmul.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
-from specdecode.model import native_kernels, native_layouts
+from specdecode.model import native_gemm, native_kernels, native_layouts
 
 KERNELS = native_kernels.SOURCE.parent
 ISAS = ("avx512", "avxvnni", "avx2", "scalar")
@@ -227,7 +227,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if not self.native:
-            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            return self._dense(x)
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
@@ -239,6 +239,18 @@ class GGUFLinear(nn.Module):
                              None if self.bias is None else self.bias.data_ptr(), self.out_features, y.data_ptr(),
                              f32, torch.get_num_threads())
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The dequantized weights: our bf16 or fp32 kernel for inference on a CPU that runs it, else torch's."""
+        w, bias = self.weight, self.bias
+        fast = native_kernels.available() and x.device.type == "cpu" and not torch.is_grad_enabled()
+        if fast and x.dtype == w.dtype == torch.bfloat16:
+            y = native_gemm.bf16_gemm(x.reshape(-1, x.shape[-1]), w, bias)
+        elif fast and x.dtype == w.dtype == torch.float32:
+            y = native_gemm.f32_gemm(x, w, None if bias is None else bias.float())
+        else:
+            return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class GGUFEmbedding(nn.Module):

@@ -1,6 +1,5 @@
-"""The GEMMs of the native kernel libraries (`native_kernels`) for a few rows: weight-only int8 and int4,
-int8 x int8 with per-token activation scales, and bf16 (AVX512, AMX and AVX2), each on the weight layout of
-`native_layouts`.
+"""The GEMMs of the native kernel libraries (`native_kernels`): weight-only int8 and int4, int8 x int8 with
+per-token activation scales, bf16 (AVX512, AMX and AVX2) and fp32, each on the weight layout of `native_layouts`.
 
 Why hand-written kernels: for one token torch's weight-only kernels read weights well below the machine's read
 bandwidth, and plain decoding is bound by that read (docs/kernels.md). These decode 64 bytes of weights at a
@@ -83,6 +82,22 @@ def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     the bias is added in fp32 before the result is rounded."""
     assert w.dtype == torch.bfloat16 and w.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)
     return _gemm("bf16", x, w, bias)
+
+
+def f32_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 times w.T (fp32 [N, K], contiguous) + bias (fp32 [N]) -> [M, N] fp32, each element one
+    accumulation chain in a fixed order (torch's fp32 matmul rounds a row differently by the row count)."""
+    lib = library()
+    assert lib is not None and w.dtype == torch.float32 and w.is_contiguous()
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    m, k = x2.shape
+    n = w.shape[0]
+    assert w.shape[1] == k
+    y = torch.empty(m, n)
+    lib.f32_gemm(x2.data_ptr(), m, k, w.data_ptr(), None if bias is None else bias.data_ptr(), n, y.data_ptr(),
+                 torch.get_num_threads())
+    return y
 
 
 def bf16_gemm_amx(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

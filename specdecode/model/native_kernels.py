@@ -1,13 +1,14 @@
 """The C kernel libraries of kernels/, built on first use and loaded through ctypes, and the AVX512 library's
-decoder ops for bf16 decode and verification forwards: RMSNorm, rope with the KV-cache write, attention over a
-few queries and SiLU·up.
+decoder ops: RMSNorm, rope with the KV-cache write and SiLU·up for bf16 forwards, and attention (bf16 or fp32,
+each query over the slots it sees, at any length).
 
-Three libraries: cpu_kernels.c (AVX512-BF16 and VNNI: the GEMMs of every format, the decoder ops and the native
-layer stack), cpu_kernels_amx.c (the bf16 GEMM on AMX tiles) and cpu_kernels_avx2.c (the bf16 and weight-only
-int8 GEMMs for CPUs without AVX512). They need a C compiler with OpenMP; each checks the CPU's features before any
-kernel runs, and where it does not build or the CPU lacks them (or with SPECDECODE_NATIVE_KERNELS=0) its check
-(`available()`, `amx_available()`, `avx2_available()`) is False and the model keeps torch's kernels. The GEMMs'
-Python side is `native_gemm`, the weight layouts they read `native_layouts`.
+Three libraries: cpu_kernels.c (AVX512-BF16 and VNNI: the GEMMs of every format and of fp32, the decoder ops and
+the native layer stack), cpu_kernels_amx.c (the bf16 GEMM on AMX tiles) and cpu_kernels_avx2.c (the bf16 and
+weight-only int8 GEMMs for CPUs without AVX512). They need a C compiler with OpenMP; each checks the CPU's
+features before any kernel runs, and where it does not build or the CPU lacks them (or with
+SPECDECODE_NATIVE_KERNELS=0) its check (`available()`, `amx_available()`, `avx2_available()`) is False and the
+model keeps torch's kernels. The GEMMs' Python side is `native_gemm`, the weight layouts they read
+`native_layouts`.
 
 Each decoder op replaces a handful of small torch ops with one call doing the same arithmetic in fp32: in a
 forward of a few tokens the Python and torch glue between those ops, not their arithmetic, is what costs.
@@ -64,12 +65,16 @@ def library() -> ctypes.CDLL | None:
     lib.woq_int4_gemm.restype = None
     lib.bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
     lib.bf16_gemm.restype = None
+    lib.f32_gemm.argtypes = [_P, _L, _L, _P, _P, _L, _P, _I]
+    lib.f32_gemm.restype = None
     lib.int8_dynamic_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _P, _P, ctypes.c_float, _L, _P, _I, _I]
     lib.int8_dynamic_gemm.restype = None
     lib.rms_norm_bf16.argtypes = [_P, _P, ctypes.c_float, _L, _L, _P]
     lib.rms_norm_bf16.restype = None
     lib.attend_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P, _I]
     lib.attend_bf16.restype = None
+    lib.attend_f32.argtypes = lib.attend_bf16.argtypes
+    lib.attend_f32.restype = None
     lib.rope_qkv_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _P, _L, _L]
     lib.rope_qkv_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [_P, _L, _L, _P]
@@ -159,9 +164,10 @@ def glue_applies(x: torch.Tensor) -> bool:
 
 
 def attend_applies(x: torch.Tensor, hd: int) -> bool:
-    """Whether `attend` takes the queries of x (a layer's input or its queries): `glue_applies`, and a head
-    size hd the kernel's registers hold (a multiple of 16, at most 256)."""
-    return hd % 16 == 0 and hd <= 256 and glue_applies(x)
+    """Whether `attend` takes the queries of x (a layer's input or its queries): bf16 or fp32 inference on the
+    CPU with our kernels, and a head size hd the kernel's registers hold (a multiple of 16, at most 256)."""
+    return (hd % 16 == 0 and hd <= 256 and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -182,18 +188,20 @@ def attend(
     mask: torch.Tensor | None,  # [B, 1, T, S] bool, True = attend; None = every slot
     scale: float,
 ) -> torch.Tensor:
-    """Softmax attention for a few queries, fp32 inside: [B, T, H * hd] bf16 (o_proj's input layout)."""
+    """Softmax attention, each query over the slots it sees in slot order, fp32 inside: [B, T, H * hd] in q's
+    dtype (o_proj's input layout). q, keys and values all bf16 or all fp32."""
     lib = library()
     assert lib is not None
     b, h, t, hd = q.shape
     kvh, s = keys.shape[1], keys.shape[2]
     assert hd % 16 == 0 and hd <= 256 and keys.stride()[2:] == (hd, 1) and keys.stride() == values.stride()
+    assert q.dtype == keys.dtype == values.dtype and q.dtype in (torch.bfloat16, torch.float32)
     qc = q.contiguous()
     m = None if mask is None else mask.expand(b, 1, t, s).contiguous()
-    out = torch.empty(b, t, h * hd, dtype=torch.bfloat16)
-    lib.attend_bf16(qc.data_ptr(), keys.data_ptr(), values.data_ptr(), None if m is None else m.data_ptr(),
-                    b, h, kvh, t, s, hd, keys.stride(0), keys.stride(1), scale, out.data_ptr(),
-                    torch.get_num_threads())
+    out = torch.empty(b, t, h * hd, dtype=q.dtype)
+    kernel = lib.attend_f32 if q.dtype == torch.float32 else lib.attend_bf16
+    kernel(qc.data_ptr(), keys.data_ptr(), values.data_ptr(), None if m is None else m.data_ptr(),
+           b, h, kvh, t, s, hd, keys.stride(0), keys.stride(1), scale, out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from specdecode.model import native_kernels
-from specdecode.model.bf16_linear import NATIVE_BF16_MAX_ROWS, BF16Linear
+from specdecode.model.bf16_linear import BF16Linear
 from specdecode.model.gguf_linear import GGUFLinear
 from specdecode.model.gguf_linear import gemm_address as gguf_gemm_address
 from specdecode.model.int4_linear import Int4HybridLinear, Int4WeightLinear
@@ -63,7 +63,7 @@ def linear_entry(module: nn.Module) -> tuple[LinearEntry, int] | None:
     if isinstance(module, BF16Linear):
         entry = LinearEntry(LIN_BF16, module.out_features, module.in_features, _ptr(module.weight), None, None,
                             _ptr(module.bias), 0.0)
-        return entry, min(rows, NATIVE_BF16_MAX_ROWS)
+        return entry, rows
     if isinstance(module, Int8DynamicLinear):
         entry = LinearEntry(LIN_INT8_DYNAMIC, module.out_features, module.in_features, _ptr(module.tiles),
                             _ptr(module.weight_sums), _ptr(module.scales), _ptr(module.bias), float(module.qmax))

@@ -12,6 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.model import native_kernels, native_stack, rope
+from specdecode.model.attention import (
+    EXACT_ATTENTION_TOKENS,
+    SMALL_ATTENTION_TOKENS,
+    row_attention,
+    sliding_window_mask,
+    small_attention,
+)
 from specdecode.model.config import ModelConfig
 from specdecode.model.kv_cache import CacheSlots, KVCache
 
@@ -84,92 +91,6 @@ def attention_inputs(
     return cos, sin, kv_len, mask, write
 
 
-def sliding_window_mask(
-    cache: KVCache,
-    positions: torch.Tensor,  # [B, T]
-    kv_len: int,
-    mask: torch.Tensor | None,  # [B, 1, T, S] or None: every slot up to kv_len
-    window: int,
-) -> torch.Tensor | None:
-    """`mask` limited to the keys whose rope position is within `window` of the query's (HF's
-    kv_pos > q_pos - window): positions, not slots, because a tree's nodes sit in slots past their
-    positions. None (= `mask`) while no query is `window` positions in."""
-    if int(positions.max()) < window:
-        return mask
-    key_pos = cache.pos[:, :kv_len]  # [B, S]
-    near = (key_pos.unsqueeze(1) > positions.unsqueeze(-1) - window).unsqueeze(1)  # [B, 1, T, S]
-    return near if mask is None else near & mask
-
-
-SMALL_ATTENTION_TOKENS = 16
-"""Off the CPU (CUDA): queries per forward up to which attention uses `small_attention` (decode and verify
-steps). CPU forwards of up to `EXACT_ATTENTION_TOKENS` attend row by row instead."""
-
-
-def small_attention(
-    q: torch.Tensor,  # [B, H, T, hd]
-    keys: torch.Tensor,  # [B, kvh, S, hd]
-    values: torch.Tensor,  # [B, kvh, S, hd]
-    mask: torch.Tensor | None,  # [B, 1, T, S] bool
-    scale: float | None = None,  # default head_dim ** -0.5
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention for a few queries as two fp32 batched matmuls, grouping the query heads that share a
-    KV head. The CPU flash-attention kernel costs ~0.3 ms per call for one query (8 ms per token on a
-    28-layer model); this costs a few microseconds plus the K/V read."""
-    b, h, t, hd = q.shape
-    kvh, s = keys.shape[1], keys.shape[2]
-    g = h // kvh
-    qg = q.reshape(b, kvh, g * t, hd).float()  # head i uses KV head i // g, as in HF's repeat_kv
-    scores = qg @ keys.float().transpose(-1, -2) * (hd**-0.5 if scale is None else scale)  # [B, kvh, g*T, S]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        m = mask.expand(b, 1, t, s).unsqueeze(2).expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
-        scores = scores.masked_fill(~m, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ values.float()  # [B, kvh, g*T, hd]
-    return out.reshape(b, h, t, hd).to(q.dtype)
-
-
-EXACT_ATTENTION_TOKENS = 65
-"""Queries per forward up to which a CPU forward attends row by row, each query over only the slots it sees:
-decode, and the verification of a chain or of a tree of up to 64 nodes plus its root. With the native kernels
-(AVX512-BF16, bf16) these forwards run in the native stack / `native_kernels.attend`, whose single-token decode
-is then the same code; otherwise in `row_attention`. Longer forwards (prefill) take SDPA; on CUDA,
-`small_attention` up to 16 queries (its rows are not bit-exact against single decodes)."""
-
-
-def row_attention(
-    q: torch.Tensor,  # [B, H, T, hd]
-    keys: torch.Tensor,  # [B, kvh, S, hd]
-    values: torch.Tensor,  # [B, kvh, S, hd]
-    mask: torch.Tensor | None,  # [B, 1, T, S] bool; None: every slot
-    scale: float | None = None,  # default head_dim ** -0.5
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention of each query over only the slots it sees, gathered in slot order, in fp32. A verified
-    token's row then makes the same operations on the same values as the single-token decode of that
-    token would (its cache holds the same keys, contiguous after compaction), so its logits have the same
-    bits: a softmax over a longer row of masked slots, or a kernel picked by the number of queries, would
-    round differently and could flip a greedy near-tie (seen on bf16 Spec-Bench answers)."""
-    b, h, t, hd = q.shape
-    kvh, s = keys.shape[1], keys.shape[2]
-    g = h // kvh
-    out = torch.empty(b, h, t, hd, dtype=q.dtype, device=q.device)
-    every = torch.arange(s, device=q.device)
-    for i in range(b):
-        for j in range(t):
-            idx = every if mask is None else mask[i, 0, j].nonzero().squeeze(-1)
-            k = keys[i].index_select(1, idx).float()  # [kvh, S', hd], contiguous
-            v = values[i].index_select(1, idx).float()
-            qg = q[i, :, j].float().reshape(kvh, g, hd).contiguous()  # head i uses KV head i // g, as in HF
-            scores = torch.bmm(qg, k.transpose(1, 2)) * (hd**-0.5 if scale is None else scale)  # [kvh, g, S']
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            out[i, :, j] = torch.bmm(torch.softmax(scores, dim=-1), v).reshape(h, hd).to(q.dtype)
-    return out
-
-
 class RowwiseLinear(nn.Linear):
     """A Linear applied to one row at a time, each as a single-token decode applies it. A matrix product's
     kernel (and so its rounding) depends on how many rows it multiplies; one row at a time, a token's result
@@ -186,7 +107,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.rowwise = False
-        """Attend query by query at any length (batch-invariant mode), not only up to EXACT_ATTENTION_TOKENS."""
+        """Without our attention kernel: attend query by query at any length (batch-invariant mode), not only up
+        to EXACT_ATTENTION_TOKENS."""
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         d = cfg.hidden_size
         self.q_proj = nn.Linear(d, self.n_heads * self.hd, bias=cfg.attention_bias)
@@ -235,10 +157,11 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        fused = self.native_attend and native_kernels.attend_applies(x, self.hd) and t <= EXACT_ATTENTION_TOKENS
-        if (fused and self.native_rope and cache is not None and self.qkv_proj is not None
-                and cache.k.dtype == torch.bfloat16):
-            # Decode / verification: rope, cache write and attention in two native calls.
+        # Our kernel, at every length: each query over the slots it sees in slot order (row-independent).
+        native = (self.native_attend and cache is not None and native_kernels.attend_applies(x, self.hd)
+                  and cache.k.dtype == x.dtype)
+        if native and self.native_rope and self.qkv_proj is not None and x.dtype == torch.bfloat16:
+            # rope, cache write and attention in two native calls
             k_layer, v_layer = cache.layer(self.layer_idx)
             q = native_kernels.rope_qkv(self.qkv_proj(x), cos, sin, slots.index, slots.end, k_layer, v_layer,
                                         self.n_heads)
@@ -257,7 +180,7 @@ class Attention(nn.Module):
         else:
             cache.write(self.layer_idx, slots, k, v)
             keys, values = cache.read(self.layer_idx, kv_len)  # [B, kvh, S, hd]
-        if fused:
+        if native:
             return self.o_proj(native_kernels.attend(q, keys, values, mask, self.scale))
         if self.rowwise or (t <= EXACT_ATTENTION_TOKENS and q.device.type == "cpu"):
             out = row_attention(q, keys, values, mask, self.scale, self.softcap)
@@ -362,11 +285,12 @@ class Transformer(nn.Module):
         return self
 
     def make_batch_invariant(self) -> Transformer:
-        """Compute every token of a forward as if it were alone: linears row by row, attention query by query.
-        A token's logits (and K/V) then have the same bits in a decode step, a verified draft, a tree, a prompt
-        prefilled whole or by chunks, or a batch of any rows, so logprobs are identical with speculation on or
-        off. The price is one pass over the weights per row instead of per forward: an exactness mode for
-        fp32 checks and evaluations, as vLLM's batch-invariant mode is."""
+        """Compute every token of a forward as if it were alone on the paths our kernels do not cover (no AVX512:
+        torch's fp32 linears; attention our kernel does not take): plain nn.Linear layers row by row, attention
+        query by query at any length. With our kernels (the `f32` / `bf16` formats, `native_kernels.attend`) a
+        token's bits are already those of the token alone, and this changes nothing. Otherwise a token's logits
+        (and K/V) then get the same bits in a decode step, a verified draft, a tree, a prompt prefilled whole or
+        by chunks, or a batch of any rows, at one pass over the weights per row instead of per forward."""
         for m in self.modules():
             if type(m) is nn.Linear:
                 m.__class__ = RowwiseLinear

@@ -1,6 +1,7 @@
-// GEMMs for a few rows of activations (decode and verification), AVX512-BF16 / VNNI: weight-only int8 /
-// int4, the model's own bf16 weights and int8 x int8 (int8-dynamic); then RMSNorm, attention, rope and
-// SiLU-times-up for bf16 forwards of a few rows.
+// GEMMs, AVX512-BF16 / VNNI: weight-only int8 / int4, the model's own bf16 weights, int8 x int8
+// (int8-dynamic) and fp32, tuned for a few rows of activations (decode and verification), bf16 and fp32 for
+// prefill's many rows too; then RMSNorm, rope and SiLU-times-up for bf16 forwards, and attention (bf16 or fp32,
+// any number of queries).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] with x in bf16 (fp32 inputs are rounded to bf16 first, as torch's
 // weight-only kernels do) and fp32 accumulation. A block of 4 output channels is decoded once per 2 rows
@@ -90,6 +91,17 @@ ALWAYS_INLINE __m512 load_bf16x16(const uint16_t* p, __mmask16 m) {
 
 ALWAYS_INLINE __m512 round_bf16x16(__m512 v) {  // fp32 -> nearest bf16 (ties to even) -> fp32
     return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// The sum of v's 16 lanes by a fixed tree (lanes i + (i + 8), then i + (i + 4), i + (i + 2), 0 + 1: GCC's
+// _mm512_reduce_add_ps), spelled out so that `hsum16x16`, which sums 16 vectors at once by the same tree,
+// gives the GEMMs' many-row passes the bits of their few-row passes whatever the compiler.
+ALWAYS_INLINE float hsum16(__m512 v) {
+    const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+                                   _mm512_castps512_ps256(v));
+    const __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
 }
 
 static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
@@ -357,7 +369,7 @@ ALWAYS_INLINE void bf16_pass(const int NR, const int MB, const uint16_t* xb, int
 #pragma GCC unroll 16
     for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
-        for (int i = 0; i < MB; i++) out[i * NR + r] = _mm512_reduce_add_ps(acc[r][i]);
+        for (int i = 0; i < MB; i++) out[i * NR + r] = hsum16(acc[r][i]);
 }
 
 // Output channels [n0, n0 + NR) for all M rows, MBB_MAX rows per pass (NR is a constant after inlining).
@@ -399,6 +411,161 @@ TARGET static void bf16_block_many(const uint16_t* xb, int64_t M, int64_t K, con
     bf16_block(NR_MANY, xb, M, K, w, bias, n0, N, y, y_is_f32);
 }
 
+// ---- many rows (prefill) ---------------------------------------------------------------------------
+// Past PREFILL_ROWS rows, each thread takes superblocks of output channels whose weights fill part of L2
+// (SUPER_BYTES) and streams every row through them, 6 rows at a time (their activations stay in L1), in
+// register blocks of 4 channels x 6 rows whose sums are reduced 16 at a time (`hsum16x16`) and stored as
+// vectors: the weights are read from memory once, and there is no scalar work per output. Each output
+// element is still the one accumulation chain of the few-row passes above (the same vectors in the same order,
+// the same reduction tree), so a token's result is the same in a prefill of any length as in a decode step.
+#define PREFILL_ROWS 65
+#define SUPER_BYTES (384 * 1024)
+
+// The 16 sums of v[0..15] by `hsum16`'s tree, pairs of vectors at a time: lane 4i + r holds the sum of
+// v[4r + i] (channel r, row i of 4 x 4 sums).
+ALWAYS_INLINE __m512 hsum16x16(const __m512* v) {
+    __m512 c[8], d[4], e[2];
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++)  // lanes i + (i + 8): v[2p] in the low half, v[2p + 1] in the high one
+        c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++)  // then i + (i + 4): one vector per 128-bit lane
+        d[q] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * q], c[2 * q + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * q], c[2 * q + 1], 0xDD));
+#pragma GCC unroll 2
+    for (int t = 0; t < 2; t++)  // then i + (i + 2)
+        e[t] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * t], d[2 * t + 1], 0x44),
+                             _mm512_shuffle_ps(d[2 * t], d[2 * t + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));  // then 0 + 1
+}
+
+// acc[a] of channel r, row i of a 4-channel x 6-row block: rows 0-3 at 4r + i, rows 4-5 at 16 + 4r + (i - 4),
+// so that `hsum16x16` of acc and of acc + 16 gives rows 0-3 and 4-5 four channels to a row.
+#define BIG_ACC(r, i) ((i) < 4 ? 4 * (r) + (i) : 16 + 4 * (r) + (i) - 4)
+
+ALWAYS_INLINE void bf16_big_step(const int MB, const uint16_t* xb, int64_t K, const uint16_t* const* rows,
+                                 int64_t k, __mmask32 mask, __m512* acc) {
+    __m512bh wv[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[r] + k);
+#pragma GCC unroll 6
+    for (int i = 0; i < MB; i++) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xb + i * K + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) acc[BIG_ACC(r, i)] = _mm512_dpbf16_ps(acc[BIG_ACC(r, i)], wv[r], xv);
+    }
+}
+
+ALWAYS_INLINE void f32_big_step(const int MB, const float* x, int64_t K, const float* const* rows, int64_t k,
+                                __mmask16 mask, __m512* acc) {
+    __m512 wv[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) wv[r] = _mm512_maskz_loadu_ps(mask, rows[r] + k);
+#pragma GCC unroll 6
+    for (int i = 0; i < MB; i++) {
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) acc[BIG_ACC(r, i)] = _mm512_fmadd_ps(wv[r], xv, acc[BIG_ACC(r, i)]);
+    }
+}
+
+// The block's sums: out[0] lane 4i + r = row i, channel r (rows 0-3); out[1] likewise for rows 4-5.
+ALWAYS_INLINE void big_pass(const int f32, const int MB, const void* x, int64_t K, const void* const* rows,
+                            __m512* out) {
+    __m512 acc[32];
+#pragma GCC unroll 32
+    for (int a = 0; a < 32; a++) acc[a] = _mm512_setzero_ps();
+    int64_t k = 0;
+    if (f32) {
+        for (; k + 16 <= K; k += 16) f32_big_step(MB, (const float*)x, K, (const float* const*)rows, k, 0xFFFF, acc);
+        if (k < K) f32_big_step(MB, (const float*)x, K, (const float* const*)rows, k, tail16(K - k), acc);
+    } else {
+        for (; k + 32 <= K; k += 32)
+            bf16_big_step(MB, (const uint16_t*)x, K, (const uint16_t* const*)rows, k, ~(__mmask32)0, acc);
+        if (k < K) {
+            const __mmask32 tail = ((__mmask32)1 << (K - k)) - 1;
+            bf16_big_step(MB, (const uint16_t*)x, K, (const uint16_t* const*)rows, k, tail, acc);
+        }
+    }
+    out[0] = hsum16x16(acc);
+    if (MB > 4) out[1] = hsum16x16(acc + 16);
+}
+
+// Output channels [c0, c1) of every row: x bf16 [M, K] or fp32 (f32: w, bias and y fp32 too; else bf16, y
+// as y_is_f32 says).
+ALWAYS_INLINE void big_rows(const int f32, const void* x, int64_t M, int64_t K, const void* w, const void* bias,
+                            int64_t c0, int64_t c1, int64_t N, void* y, int y_is_f32) {
+    const int64_t xsz = f32 ? 4 : 2;
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+        const int mb = M - m0 < 6 ? (int)(M - m0) : 6;
+        const char* xm = (const char*)x + m0 * K * xsz;
+        for (int64_t n0 = c0; n0 < c1; n0 += 4) {
+            const int nr = c1 - n0 < 4 ? (int)(c1 - n0) : 4;
+            const __mmask16 valid = (__mmask16)((1u << nr) - 1u);
+            const void* rows[4];
+            for (int r = 0; r < 4; r++) rows[r] = (const char*)w + (n0 + r < N ? n0 + r : N - 1) * K * xsz;
+            __m512 sum[2];
+            switch (mb) {  // constant row counts: the accumulators stay in registers
+                case 1: big_pass(f32, 1, xm, K, rows, sum); break;
+                case 2: big_pass(f32, 2, xm, K, rows, sum); break;
+                case 3: big_pass(f32, 3, xm, K, rows, sum); break;
+                case 4: big_pass(f32, 4, xm, K, rows, sum); break;
+                case 5: big_pass(f32, 5, xm, K, rows, sum); break;
+                default: big_pass(f32, 6, xm, K, rows, sum); break;
+            }
+            __m128 b4 = _mm_setzero_ps();
+            if (bias && f32)
+                b4 = _mm_maskz_loadu_ps(valid, (const float*)bias + n0);
+            else if (bias)  // bf16 -> fp32: the 16 bits moved to the top
+                b4 = _mm_castsi128_ps(_mm_slli_epi32(
+                    _mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(valid, (const uint16_t*)bias + n0)), 16));
+            const __m512 b = _mm512_broadcast_f32x4(b4);  // the bias, as the scalar stores add it
+            for (int h = 0; h < (mb > 4 ? 2 : 1); h++) {
+                const __m512 out = _mm512_add_ps(sum[h], b);
+                const int rows_here = h ? mb - 4 : (mb < 4 ? mb : 4);
+                if (f32 || y_is_f32) {
+                    float o[16];
+                    _mm512_storeu_ps(o, out);
+                    for (int i = 0; i < rows_here; i++)
+                        memcpy((float*)y + (m0 + 4 * h + i) * N + n0, o + 4 * i, 4 * (size_t)nr);
+                } else {
+                    uint16_t o[16];
+                    _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(out));  // f32_to_bf16's rounding
+                    for (int i = 0; i < rows_here; i++)
+                        memcpy((uint16_t*)y + (m0 + 4 * h + i) * N + n0, o + 4 * i, 2 * (size_t)nr);
+                }
+            }
+        }
+    }
+}
+
+TARGET static void big_rows_bf16(const void* x, int64_t M, int64_t K, const void* w, const void* bias, int64_t c0,
+                                 int64_t c1, int64_t N, void* y, int y_is_f32) {
+    big_rows(0, x, M, K, w, bias, c0, c1, N, y, y_is_f32);
+}
+
+TARGET static void big_rows_f32(const void* x, int64_t M, int64_t K, const void* w, const void* bias, int64_t c0,
+                                int64_t c1, int64_t N, void* y) {
+    big_rows(1, x, M, K, w, bias, c0, c1, N, y, 1);
+}
+
+// Output channels per superblock: a multiple of 4 whose weights take about SUPER_BYTES.
+static void big_gemm(const int f32, const void* x, int64_t M, int64_t K, const void* w, const void* bias, int64_t N,
+                     void* y, int y_is_f32, int threads) {
+    int64_t nc = SUPER_BYTES / (K * (f32 ? 4 : 2)) / 4 * 4;
+    nc = nc < 4 ? 4 : nc;
+    const int64_t supers = (N + nc - 1) / nc;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t s = 0; s < supers; s++) {
+        const int64_t c0 = s * nc, c1 = c0 + nc < N ? c0 + nc : N;
+        if (f32)
+            big_rows_f32(x, M, K, w, bias, c0, c1, N, y);
+        else
+            big_rows_bf16(x, M, K, w, bias, c0, c1, N, y, y_is_f32);
+    }
+}
+
 // y = x w^T + bias (bf16 [N], or NULL), x as bf16 (fp32 inputs rounded to bf16 first), fp32 accumulation.
 TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias,
                       int64_t N, void* y, int y_is_f32, int threads) {
@@ -407,16 +574,103 @@ TARGET void bf16_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const u
     const int single = M == 1 && K <= NR_SINGLE_MAX_K;
     const int64_t nr = single ? 1 : M == 1 ? NR_ONE : NR_MANY;
     const int64_t blocks = (N + nr - 1) / nr;
+    if (M > PREFILL_ROWS) {
+        big_gemm(0, xb, M, K, w, bias, N, y, y_is_f32, threads);
+    } else {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        if (single)
-            bf16_block_single(xb, K, w, bias, b, N, y, y_is_f32);
-        else if (M == 1)
-            bf16_block_one(xb, K, w, bias, b * nr, N, y, y_is_f32);
-        else
-            bf16_block_many(xb, M, K, w, bias, b * nr, N, y, y_is_f32);
+        for (int64_t b = 0; b < blocks; b++) {
+            if (single)
+                bf16_block_single(xb, K, w, bias, b, N, y, y_is_f32);
+            else if (M == 1)
+                bf16_block_one(xb, K, w, bias, b * nr, N, y, y_is_f32);
+            else
+                bf16_block_many(xb, M, K, w, bias, b * nr, N, y, y_is_f32);
+        }
     }
     free(copy);
+}
+
+// ---- fp32 ------------------------------------------------------------------------------------------
+// The fp32 model's weights [N, K] (row-major, torch's layout), as the bf16 kernel above with 16 products per
+// FMA: every output element is one accumulation chain over k in the same order whatever the number of rows,
+// so a row's result does not depend on the other rows (torch's fp32 matmul picks its blocking, and so its
+// rounding, by the row count).
+
+ALWAYS_INLINE void f32_pass(const int NR, const int MB, const float* x, int64_t K, const float* const* rows,
+                            const float* next, float* out) {
+    __m512 acc[NR_MAX][MBB_MAX];
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = tail16(K - k);
+        __m512 wv[NR_MAX];
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; r++) {
+            _mm_prefetch((const char*)(next + r * K + k), PF_HINT);
+            wv[r] = _mm512_maskz_loadu_ps(mask, rows[r] + k);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * K + k);
+#pragma GCC unroll 16
+            for (int r = 0; r < NR; r++) acc[r][i] = _mm512_fmadd_ps(wv[r], xv, acc[r][i]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; i++) out[i * NR + r] = hsum16(acc[r][i]);
+}
+
+ALWAYS_INLINE void f32_block(const int NR, const float* x, int64_t M, int64_t K, const float* w, const float* bias,
+                             int64_t n0, int64_t N, float* y) {
+    const float* rows[NR_MAX];
+    for (int r = 0; r < NR; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last row
+    const float* next = w + prefetch_row(n0, NR, N, 4 * K) * K;
+    float out[MBB_MAX * NR_MAX];
+    for (int64_t m0 = 0; m0 < M; m0 += MBB_MAX) {
+        const int mb = M - m0 < MBB_MAX ? (int)(M - m0) : MBB_MAX;
+        const float* xm = x + m0 * K;
+        switch (mb) {
+            case 1: f32_pass(NR, 1, xm, K, rows, next, out); break;
+            case 2: f32_pass(NR, 2, xm, K, rows, next, out); break;
+            case 3: f32_pass(NR, 3, xm, K, rows, next, out); break;
+            default: f32_pass(NR, 4, xm, K, rows, next, out); break;
+        }
+        for (int r = 0; r < NR && n0 + r < N; r++) {
+            const float b = bias ? bias[n0 + r] : 0.0f;
+            for (int i = 0; i < mb; i++) y[(m0 + i) * N + n0 + r] = out[i * NR + r] + b;
+        }
+    }
+}
+
+TARGET static void f32_block_one(const float* x, int64_t K, const float* w, const float* bias, int64_t n0,
+                                 int64_t N, float* y) {
+    f32_block(NR_ONE, x, 1, K, w, bias, n0, N, y);
+}
+
+TARGET static void f32_block_many(const float* x, int64_t M, int64_t K, const float* w, const float* bias,
+                                  int64_t n0, int64_t N, float* y) {
+    f32_block(NR_MANY, x, M, K, w, bias, n0, N, y);
+}
+
+// y = x w^T + bias, all fp32: x [M, K], w [N, K], bias [N] or NULL, y [M, N].
+TARGET void f32_gemm(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N, float* y,
+                     int threads) {
+    if (M > PREFILL_ROWS) {
+        big_gemm(1, x, M, K, w, bias, N, y, 1, threads);
+        return;
+    }
+    const int64_t nr = M == 1 ? NR_ONE : NR_MANY, blocks = (N + nr - 1) / nr;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        if (M == 1)
+            f32_block_one(x, K, w, bias, b * nr, N, y);
+        else
+            f32_block_many(x, M, K, w, bias, b * nr, N, y);
+    }
 }
 
 // ---- int8 x int8 (int8-dynamic) ------------------------------------------------------------------
@@ -573,17 +827,22 @@ ALWAYS_INLINE __m512 exp_nonpositive(__m512 x) {
     return _mm512_maskz_mov_ps(~tiny, e);
 }
 
-// Attention of a few queries against the cache, in fp32 like torch's small-query path:
-// q [B, H, T, hd] bf16 (contiguous, roped); k, v: cache rows of layer l, element (b, kvh, s, d) at
-// b * bs + kvh * hs + s * hd + d; mask [B, T, S] (1 = attend) or NULL = every slot < S; out [B, T, H * hd]
-// bf16. Head h reads KV head h / (H / KVH). scores = q.k * scale, softmax over s, probabilities @ v.
-// The slots a query sees are gathered first and everything after runs over that dense list in slot
-// order: the result depends only on the keys and values seen, not on where masked slots sit (a tree
-// node sees its ancestors at scattered slots; plain decoding sees the same tokens at consecutive ones).
-// hd must be a multiple of 16 and at most 256.
-TARGET void attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t B,
-                        int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t hd, int64_t bs, int64_t hs,
-                        float scale, uint16_t* out, int threads) {
+// Attention against the cache, in fp32 like torch's small-query path: q [B, H, T, hd] (contiguous, roped);
+// k, v: cache rows of layer l, element (b, kvh, s, d) at b * bs + kvh * hs + s * hd + d; mask [B, T, S]
+// (1 = attend) or NULL = every slot < S; out [B, T, H * hd]. All bf16 (`attend_bf16`) or all fp32
+// (`attend_f32`). Head h reads KV head h / (H / KVH). scores = q.k * scale, softmax over s, probabilities @ v.
+// Each query is computed on its own: the slots it sees are gathered first and everything after runs over that
+// dense list in slot order, so the result depends only on the keys and values seen: not on where masked slots
+// sit (a tree node sees its ancestors at scattered slots; plain decoding sees the same tokens at consecutive
+// ones), not on the other queries or rows, not on the number of queries (decode, verification and a prefill of
+// any length or chunking give a token the same bits). hd must be a multiple of 16 and at most 256.
+ALWAYS_INLINE __m512 load16(const void* p, int64_t i, int f32) {
+    return f32 ? _mm512_loadu_ps((const float*)p + i) : load_bf16x16((const uint16_t*)p + i, 0xFFFF);
+}
+
+ALWAYS_INLINE void attend(const int f32, const void* q, const void* k, const void* v, const uint8_t* mask,
+                          int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t hd, int64_t bs,
+                          int64_t hs, float scale, void* out, int threads) {
     const int64_t groups = H / KVH;
 #pragma omp parallel num_threads(threads)
     {
@@ -592,20 +851,19 @@ TARGET void attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < H; h++) {
-                const uint16_t* kb = k + b * bs + (h / groups) * hs;
-                const uint16_t* vb = v + b * bs + (h / groups) * hs;
+                const int64_t kv_at = b * bs + (h / groups) * hs;
                 for (int64_t t = 0; t < T; t++) {
-                    const uint16_t* qr = q + ((b * H + h) * T + t) * hd;
+                    const int64_t q_at = ((b * H + h) * T + t) * hd;
                     const uint8_t* mr = mask ? mask + (b * T + t) * S : NULL;
                     __m512 qv[16];
-                    for (int64_t d = 0; d < hd; d += 16) qv[d / 16] = load_bf16x16(qr + d, 0xFFFF);
+                    for (int64_t d = 0; d < hd; d += 16) qv[d / 16] = load16(q, q_at + d, f32);
                     int64_t n = 0;
                     float mx = -INFINITY;
                     for (int64_t s = 0; s < S; s++) {
                         if (mr && !mr[s]) continue;
                         __m512 acc = _mm512_setzero_ps();
                         for (int64_t d = 0; d < hd; d += 16)
-                            acc = _mm512_fmadd_ps(qv[d / 16], load_bf16x16(kb + s * hd + d, 0xFFFF), acc);
+                            acc = _mm512_fmadd_ps(qv[d / 16], load16(k, kv_at + s * hd + d, f32), acc);
                         p[n] = _mm512_reduce_add_ps(acc) * scale;
                         mx = p[n] > mx ? p[n] : mx;
                         seen[n++] = s;
@@ -623,18 +881,35 @@ TARGET void attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                     for (int64_t d = 0; d < hd; d += 16) o[d / 16] = _mm512_setzero_ps();
                     for (int64_t i = 0; i < n; i++) {
                         const __m512 ps = _mm512_set1_ps(p[i] * inv);
-                        const uint16_t* vs = vb + seen[i] * hd;
+                        const int64_t v_at = kv_at + seen[i] * hd;
                         for (int64_t d = 0; d < hd; d += 16)
-                            o[d / 16] = _mm512_fmadd_ps(ps, load_bf16x16(vs + d, 0xFFFF), o[d / 16]);
+                            o[d / 16] = _mm512_fmadd_ps(ps, load16(v, v_at + d, f32), o[d / 16]);
                     }
-                    uint16_t* orow = out + (b * T + t) * H * hd + h * hd;
-                    for (int64_t d = 0; d < hd; d += 16)
-                        _mm256_storeu_si256((__m256i*)(orow + d), (__m256i)_mm512_cvtneps_pbh(o[d / 16]));
+                    const int64_t o_at = (b * T + t) * H * hd + h * hd;
+                    for (int64_t d = 0; d < hd; d += 16) {
+                        if (f32)
+                            _mm512_storeu_ps((float*)out + o_at + d, o[d / 16]);
+                        else
+                            _mm256_storeu_si256((__m256i*)((uint16_t*)out + o_at + d),
+                                                (__m256i)_mm512_cvtneps_pbh(o[d / 16]));
+                    }
                 }
             }
         free(seen);
         free(p);
     }
+}
+
+TARGET void attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t B,
+                        int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t hd, int64_t bs, int64_t hs,
+                        float scale, uint16_t* out, int threads) {
+    attend(0, q, k, v, mask, B, H, KVH, T, S, hd, bs, hs, scale, out, threads);
+}
+
+TARGET void attend_f32(const float* q, const float* k, const float* v, const uint8_t* mask, int64_t B, int64_t H,
+                       int64_t KVH, int64_t T, int64_t S, int64_t hd, int64_t bs, int64_t hs, float scale,
+                       float* out, int threads) {
+    attend(1, q, k, v, mask, B, H, KVH, T, S, hd, bs, hs, scale, out, threads);
 }
 
 // Rotary embedding of a fused q/k/v projection, with k and v written to the cache: the reference's
