@@ -81,9 +81,10 @@ class LLM:
         max_num_batched_tokens: at most this many prompt tokens prefilled per step while other requests decode
             (a longer prompt is prefilled in chunks between their steps, each sized to cost about 1.5 of their
             steps); None or 0: whole prompts at once.
-        batch_invariant: compute every token of the target's forwards as if alone (fp32 only): logits and
-            logprobs then have the same bits with speculation on or off, in any batch, cached or not, at the
-            cost of one pass over the weights per token (`Transformer.make_batch_invariant`).
+        batch_invariant: fp32 only; on the paths our kernels do not cover (no AVX512 kernels, attention our
+            kernel does not take) compute every token of the target's forwards as if alone, at one pass over the
+            weights per token (`Transformer.make_batch_invariant`). Where our kernels run, a token's bits are
+            already the same in any batch, cached or not, and this changes nothing.
     """
 
     def __init__(
