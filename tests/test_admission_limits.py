@@ -204,6 +204,8 @@ def test_message_count_and_tool_size_bounds_are_400s_naming_the_bound(server: Li
     many = [{"role": "user", "content": "x"}] * (engine_requests.MAX_MESSAGES + 1)
     err = error_of(server.post(CHAT, json={"model": NAME, "messages": many, "max_tokens": 2}), 400)
     assert err["param"] == "messages" and f"at most {engine_requests.MAX_MESSAGES}" in err["message"]
+    err = error_of(server.post("/tokenize", json={"model": NAME, "messages": many}), 400)  # the same bound
+    assert err["param"] == "messages" and f"at most {engine_requests.MAX_MESSAGES}" in err["message"]
     big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 100}
                                             for i in range(engine_requests.MAX_TOOL_BYTES // 100)}}
     tools = [{"type": "function", "function": {"name": "small", "parameters": SCHEMA}},

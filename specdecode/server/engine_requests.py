@@ -99,11 +99,15 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, plan: To
         return await _submit(state, body, seqs)
 
 
+def check_message_count(messages: list[Any]) -> None:
+    """A conversation longer than MAX_MESSAGES is refused before the chat template runs over it."""
+    if len(messages) > MAX_MESSAGES:
+        raise APIError(400, f"messages has {len(messages)} entries; at most {MAX_MESSAGES} are allowed", "messages")
+
+
 def _check_sizes(body: ChatCompletionRequest) -> None:
     """The bounds on a conversation's size that the body limit leaves too loose for the chat template."""
-    if len(body.messages) > MAX_MESSAGES:
-        raise APIError(400, f"messages has {len(body.messages)} entries; at most {MAX_MESSAGES} are allowed",
-                       "messages")
+    check_message_count(body.messages)
     for i, tool in enumerate(body.tools or ()):
         size = len(tool.model_dump_json(exclude_none=True))
         if size > MAX_TOOL_BYTES:

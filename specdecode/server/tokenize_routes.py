@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from specdecode import __version__
+from specdecode.server.engine_requests import check_message_count
 from specdecode.server.errors import APIError
 from specdecode.server.protocol import (
     DetokenizeRequest,
@@ -36,6 +37,7 @@ def tokenizer_router(server: Any) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt" if body.prompt is None else "messages")
         if body.messages is not None:
+            check_message_count(body.messages)
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             if not body.add_generation_prompt:
                 raise APIError(400, "add_generation_prompt: false is not supported", "add_generation_prompt")
