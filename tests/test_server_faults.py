@@ -267,3 +267,47 @@ def test_sigterm_drains_streams_then_exits_0(tiny_llama_dir: Path, tmp_path: Pat
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+DYING = """
+import sys
+from specdecode.server.async_engine import AsyncEngine
+update = AsyncEngine._update_gauges
+def dying_update(self):  # the loop's bookkeeping fails once a request runs: outside the step
+    if self.engine.has_work():
+        raise RuntimeError("injected failure outside the step")
+    return update(self)
+AsyncEngine._update_gauges = dying_update
+from specdecode.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_dead_engine_fails_its_request_and_the_process_exits_non_zero(tiny_llama_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-c", DYING, "serve", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--device", "cpu",
+           "--threads", "1", "--max-model-len", str(MAX_LEN), "--port", str(port), "--served-model-name", NAME,
+           "--log-level", "warning"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def healthy() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return httpx.get(base + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, timeout=120, what="the server's start")
+        started = time.monotonic()
+        r = httpx.post(base + COMPLETIONS, json={**LONG, "max_tokens": 8}, timeout=30)
+        assert time.monotonic() - started < 5
+        assert "injected failure" in assert_openai_error(r, 500)["message"]
+        assert proc.wait(30) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
