@@ -1,10 +1,14 @@
 """specdecode: speculative decoding for Llama/Qwen2-family models."""
 
-from specdecode.config import SpeculativeConfig
-from specdecode.engine.llm import LLM
-from specdecode.engine.sequence import CompletionOutput, RequestOutput
-from specdecode.sampling import SamplingParams
-from specdecode.structured import StructuredOutputsParams
+from specdecode import cpu_isa
+
+cpu_isa.cap_torch()  # before anything imports torch: SPECDECODE_ISA caps torch's kernels too
+
+from specdecode.config import SpeculativeConfig  # noqa: E402
+from specdecode.engine.llm import LLM  # noqa: E402
+from specdecode.engine.sequence import CompletionOutput, RequestOutput  # noqa: E402
+from specdecode.sampling import SamplingParams  # noqa: E402
+from specdecode.structured import StructuredOutputsParams  # noqa: E402
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "SpeculativeConfig", "StructuredOutputsParams"]
 __version__ = "0.1.0"

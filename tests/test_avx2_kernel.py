@@ -51,9 +51,12 @@ def test_matches_reference_and_rows_are_independent(m: int, k: int, n: int, with
         assert torch.equal(native_gemm.bf16_gemm_avx2(x[i : i + 1], packed, n, bias), y[i : i + 1])
 
 
-@pytest.mark.skipif(onednn_bf16_supported() or native_kernels.available(),
-                    reason="this CPU runs bf16 on oneDNN or on the AVX512 kernel")
-def test_bf16_linear_takes_the_avx2_kernel_where_onednn_cannot() -> None:
+@pytest.mark.parametrize("cls", ["avx2", "avx512vnni"])
+def test_bf16_linear_takes_the_avx2_kernel_below_avx512_bf16(monkeypatch: pytest.MonkeyPatch, cls: str) -> None:
+    monkeypatch.setenv("SPECDECODE_ISA", cls)  # as a CPU of that class (forced where this one has more)
+    if not native_kernels.avx2_available():
+        pytest.skip("the AVX2 kernel does not build or run here")
+    assert not onednn_bf16_supported() or cls != "avx2"
     lin = torch.nn.Linear(48, 20).to(torch.bfloat16)
     module = BF16Linear(lin)
     assert module.avx2
@@ -81,8 +84,10 @@ def test_int8_kernel_matches_the_dequantized_reference_and_rows_are_independent(
         assert torch.equal(native_gemm.int8_gemm_avx2(x[i : i + 1], packed, scale), y[i : i + 1])
 
 
-@pytest.mark.skipif(native_kernels.available(), reason="this CPU runs weight-only int8 on the AVX512 kernel")
-def test_int8_weight_linear_takes_the_avx2_kernel_unless_torch_is_asked_for() -> None:
+def test_int8_weight_linear_takes_the_avx2_kernel_unless_torch_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDECODE_ISA", "avx2")  # as an AVX2 CPU (forced where this one has more)
+    if not native_kernels.avx2_int8_available():
+        pytest.skip("the AVX2 kernel does not build or run here")
     lin = torch.nn.Linear(48, 20)
     ours, torchs = Int8WeightLinear(lin), Int8WeightLinear(lin, native=False)
     assert ours.avx2 and not torchs.avx2

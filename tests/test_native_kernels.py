@@ -155,7 +155,7 @@ def test_int4_kernel_needs_whole_groups_of_128() -> None:
 
 def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECDECODE_NATIVE_KERNELS", "0")
-    native_kernels.library.cache_clear()
+    native_kernels._avx512_library.cache_clear()
     native_kernels.avx2_library.cache_clear()
     try:
         assert not native_kernels.available()
@@ -163,7 +163,7 @@ def test_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ValueError, match="not available"):
             Int4WeightLinear(bf16_linear(16, 128, seed=1), native=True)
     finally:  # no cached None for later tests: they look the libraries up again once the variable is restored
-        native_kernels.library.cache_clear()
+        native_kernels._avx512_library.cache_clear()
         native_kernels.avx2_library.cache_clear()
 
 

@@ -11,15 +11,7 @@ from typing import Any
 
 import torch
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from specdecode import cpu_isa
 
 
 def _git_commit() -> str | None:
@@ -37,7 +29,10 @@ def machine_info() -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu": _cpu_model(),
+        "cpu": cpu_isa.cpuinfo()[0],
+        "cpu_flags": " ".join(sorted(cpu_isa.cpuinfo()[1])),  # lscpu's flags line
+        "isa_class": cpu_isa.effective(),  # what the kernels run as: the CPU's class, or SPECDECODE_ISA's below it
+        "isa_forced": cpu_isa.forced(),
         "logical_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),  # `--threads`: torch's, the native kernels' and the peers'
         "torch": torch.__version__,

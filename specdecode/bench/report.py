@@ -161,6 +161,8 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
         + (f", {m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else "")
         + f", torch {m.get('torch')} ({m.get('torch_threads')} threads), transformers {m.get('transformers')}, "
         f"llama_cpp {m.get('llama_cpp')}, specdecode {m.get('specdecode')} ({m.get('git_commit')})",
+        f"- CPU class: {m.get('isa_class')}" + (f" (forced: SPECDECODE_ISA={m['isa_forced']})" if m.get("isa_forced")
+                                                else "") + f"; flags: {m.get('cpu_flags')}",
         f"- target `{cfg['model']}` ({cfg['dtype']}), draft `{cfg['draft']}`, dataset `{cfg['dataset']}`, "
         f"{summary['num_prompts']} prompts"
         + (f" ({summary['num_prompts_complete']} measured by every method)"

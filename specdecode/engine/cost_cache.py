@@ -13,18 +13,17 @@ again. The same file keeps what earlier requests of the pair measured (engine/hi
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from specdecode import cpu_isa
 from specdecode.fetch import KNOWN_MODELS, models_home
 
 logger = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ FORMAT = 1
 """The file layout's version (part of the key: a new layout never reads an old file)."""
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
 """The CPU flags (as /proc/cpuinfo and lscpu name them) the kernels choose by."""
-ISA_SWITCHES = ("SPECDECODE_NATIVE_KERNELS", "SPECDECODE_AMX", "SPECDECODE_GGUF_ISA")
+ISA_SWITCHES = ("SPECDECODE_ISA", "SPECDECODE_NATIVE_KERNELS", "SPECDECODE_AMX", "SPECDECODE_GGUF_ISA")
 """The environment switches that change which kernels run."""
 
 
@@ -42,26 +41,9 @@ def cost_cache_enabled() -> bool:
     return os.environ.get(COST_CACHE_ENV, "1") != "0"
 
 
-@functools.cache
-def _cpuinfo() -> tuple[str, frozenset[str]]:
-    """(model name, flags) of the first processor in /proc/cpuinfo; the platform's name and no flags elsewhere."""
-    name, flags = "", frozenset()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not name:
-                name = value.strip()
-            elif key == "flags" and not flags:
-                flags = frozenset(value.split())
-    except OSError:
-        pass
-    return name or platform.processor() or platform.machine(), flags
-
-
 def cpu_identity() -> dict[str, Any]:
     """The CPU's model name and which of ISA_FLAGS it has."""
-    name, flags = _cpuinfo()
+    name, flags = cpu_isa.cpuinfo()
     return {"model": name, "flags": [f for f in ISA_FLAGS if f in flags]}
 
 

@@ -8,12 +8,18 @@ import functools
 import torch
 from torch import nn
 
+from specdecode import cpu_isa
 from specdecode.model import native_gemm, native_kernels, native_layouts
 
 
-@functools.cache
 def onednn_bf16_supported() -> bool:
-    """oneDNN's bf16 matmul runs here: it needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuses otherwise."""
+    """oneDNN's bf16 matmul runs here: it needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuses otherwise
+    (and SPECDECODE_ISA, where set, at least `avx512`)."""
+    return cpu_isa.allows("avx512") and _onednn_bf16_runs()
+
+
+@functools.cache
+def _onednn_bf16_runs() -> bool:
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
     except RuntimeError:
@@ -21,11 +27,11 @@ def onednn_bf16_supported() -> bool:
     return True
 
 
-@functools.cache
 def bf16_uses_avx2_kernel() -> bool:
-    """The bf16 format runs on our AVX2 kernel here (no AVX512 kernels, no oneDNN bf16 matmul): its weights are
-    re-laid out into a copy, a tied output matrix included (counted by `engine.validation.estimate_bytes`)."""
-    return not native_kernels.available() and not onednn_bf16_supported() and native_kernels.avx2_available()
+    """The bf16 format runs on our AVX2 kernel here (no AVX512-BF16 kernels; oneDNN's bf16 matmul, where it runs
+    without AVX512-BF16, emulates it and costs a pass over the weights per row or two): its weights are re-laid out
+    into a copy, a tied output matrix included (counted by `engine.validation.estimate_bytes`)."""
+    return not native_kernels.available() and native_kernels.avx2_available()
 
 
 def bf16_copies_weights() -> bool:

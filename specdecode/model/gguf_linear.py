@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
+from specdecode import cpu_isa
 from specdecode.model import native_gemm, native_kernels, native_layouts
 
 KERNELS = native_kernels.SOURCE.parent
@@ -87,13 +88,23 @@ def library(isa: str) -> ctypes.CDLL | None:
 
 def isa() -> str | None:
     """The kernel GGUF linears take: SPECDECODE_GGUF_ISA if set (one of ISAS, e.g. `avx2` to run the AVX2
-    kernel on an AVX512 CPU), else the fastest this CPU runs; None where none builds."""
+    kernel on an AVX512 CPU), else the fastest this CPU runs and SPECDECODE_ISA allows; None where none builds."""
     forced = os.environ.get("SPECDECODE_GGUF_ISA", "")
     if forced:
         if forced not in ISAS:
             raise ValueError(f"SPECDECODE_GGUF_ISA={forced!r}: expected one of {', '.join(ISAS)}")
         return forced if library(forced) is not None else None
-    return next((name for name in ISAS if library(name) is not None), None)
+    return next((name for name in ISAS if class_allows(name) and library(name) is not None), None)
+
+
+def class_allows(kernel: str) -> bool:
+    """SPECDECODE_ISA lets `kernel` run: the AVX512 kernel from `avx512vnni` up; the AVX-VNNI one only where no
+    class is forced (a forced class stands for CPUs without it); AVX2 and portable C always."""
+    if kernel == "avx512":
+        return cpu_isa.allows("avx512vnni")
+    if kernel == "avxvnni":
+        return cpu_isa.forced() is None
+    return True
 
 
 def available() -> bool:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode import cpu_isa
 from specdecode.model.native_layouts import AVX2_GROUP
 
 SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.c"
@@ -53,9 +54,14 @@ def _load(source: Path, name: str, supported: str) -> ctypes.CDLL | None:
     return lib if getattr(lib, supported)() else None
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The AVX512 library (cpu_kernels.c), or None where it does not build or run."""
+    """The AVX512 library (cpu_kernels.c), or None where it does not build or run (or SPECDECODE_ISA is below
+    `avx512bf16`)."""
+    return _avx512_library() if cpu_isa.allows("avx512bf16") else None
+
+
+@functools.cache
+def _avx512_library() -> ctypes.CDLL | None:
     lib = _load(SOURCE, "cpu-kernels", "cpu_supported")
     if lib is None:
         return None
@@ -124,11 +130,15 @@ def avx2_int8_available() -> bool:
     return lib is not None and hasattr(lib, "int8_gemm")
 
 
-@functools.cache
 def amx_library() -> ctypes.CDLL | None:
-    """The AMX library (cpu_kernels_amx.c), or None (also with SPECDECODE_AMX=0)."""
-    if os.environ.get("SPECDECODE_AMX", "1") == "0":
+    """The AMX library (cpu_kernels_amx.c), or None (also with SPECDECODE_AMX=0, or SPECDECODE_ISA below `amx`)."""
+    if os.environ.get("SPECDECODE_AMX", "1") == "0" or not cpu_isa.allows("amx"):
         return None
+    return _amx_library()
+
+
+@functools.cache
+def _amx_library() -> ctypes.CDLL | None:
     lib = _load(SOURCE_AMX, "cpu-kernels-amx", "amx_supported")
     if lib is not None:
         lib.amx_bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
