@@ -5,7 +5,7 @@ One row per method: mean tokens/s over prompts, its ratio to our plain method an
 method at the same target format; a peer is compared with the GGUF run at its own quantization, the model it
 runs), and per dataset the ratio to plain with τ. Every ratio is a ratio of means within the run.
 
-    python benchmarks/headline_table.py bench-out/headline [--plain plain] [--peer llamacpp-plain]
+    python benchmarks/headline_table.py bench-out/headline [--plain plain] [--peer llamaserver-plain]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Run:
 
 
 def table(run: Run, plain: str, peer: str) -> list[str]:
-    head = ["method", "tok/s", "× plain", "× llama.cpp plain", "τ", "same tokens as",
+    head = ["method", "tok/s", "× plain", f"× {peer}", "τ", "same tokens as",
             *(f"{name} × plain (τ)" for name in DATASETS)]
     lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---|" + "---:|" * len(DATASETS)]
     for method in run.by_method:
@@ -84,7 +84,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="the bench run's --out directory (records.jsonl)")
     p.add_argument("--plain", default="plain", help="our plain method (the ratios' denominator)")
-    p.add_argument("--peer", default="llamacpp-plain", help="the peer method of the llama.cpp column")
+    p.add_argument("--peer", default="llamaserver-plain", help="the peer method of the llama.cpp column")
     args = p.parse_args()
     print("\n".join(table(Run(read_records(args.out / RECORDS_FILE)), args.plain, args.peer)))
 

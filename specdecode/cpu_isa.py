@@ -4,16 +4,16 @@ Five classes, each a superset of the one before; the kernels choose by them:
 
 | class | CPUs | GGUF blocks | bf16 linears, fp32, attention and the native stack |
 |---|---|---|---|
-| `avx2` | Haswell+, Zen 1-3, laptops | AVX2 (AVX-VNNI where the CPU has it) | AVX2 GEMM; torch for the rest |
-| `avx512` | Skylake-SP | AVX2 | AVX2 GEMM; torch for the rest |
-| `avx512vnni` | Cascade Lake, Ice Lake | AVX512-VNNI | AVX2 GEMM; torch for the rest |
+| `avx2` | Haswell+, Zen 1-3, laptops | AVX2 (and AVX-VNNI if present) | AVX2 GEMM and attention; torch: the rest |
+| `avx512` | Skylake-SP | AVX2 | as `avx2` |
+| `avx512vnni` | Cascade Lake, Ice Lake | AVX512-VNNI | as `avx2` |
 | `avx512bf16` | Cooper Lake, Zen 4, Zen 5 | AVX512-VNNI | AVX512-BF16 library: every GEMM and decoder op |
 | `amx` | Sapphire Rapids+ | AVX512-VNNI | the AVX512-BF16 library, bf16 GEMMs on AMX tiles |
 
 `SPECDECODE_ISA=<class>` runs this machine as that class: every kernel family (GGUF, bf16, int8/int4, fp32, the
 heads, which run on the same linears) takes only what the class has, and torch's own kernels are capped alike
-(`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, set when the package is imported before torch). A class above
-what the CPU has changes nothing: each kernel still checks the CPU before it runs.
+(`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`, set when the package is imported before
+torch). A class above what the CPU has changes nothing: each kernel still checks the CPU before it runs.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ _NEEDS = {  # class: the /proc/cpuinfo flags that make it
     "avx512bf16": ("avx512_bf16",),
     "amx": ("amx_bf16", "amx_tile"),
 }
-_TORCH = {  # class: (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA)
-    "avx2": ("avx2", "AVX2"),
-    "avx512": ("avx512", "AVX512_CORE"),
-    "avx512vnni": ("avx512", "AVX512_CORE_VNNI"),
-    "avx512bf16": ("avx512", "AVX512_CORE_BF16"),
-    "amx": ("avx512", "AVX512_CORE_AMX"),
+_TORCH = {  # class: (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS)
+    "avx2": ("avx2", "AVX2", "AVX2"),
+    "avx512": ("avx512", "AVX512_CORE", "AVX512"),
+    "avx512vnni": ("avx512", "AVX512_CORE_VNNI", "AVX512_E1"),
+    "avx512bf16": ("avx512", "AVX512_CORE_BF16", "AVX512_E1"),
+    "amx": ("avx512", "AVX512_CORE_AMX", "AVX512_E1"),
 }
 
 
@@ -100,10 +100,10 @@ def effective() -> str | None:
 
 
 def cap_torch() -> None:
-    """Cap torch's own CPU kernels at SPECDECODE_ISA's class (its vectorised ATen ops and oneDNN), unless the user
-    set their switches. Takes effect only before torch is imported."""
+    """Cap torch's own CPU kernels at SPECDECODE_ISA's class (its vectorised ATen ops, oneDNN and MKL), unless the
+    user set their switches. Takes effect only before torch is imported."""
     cap = forced()
     if cap is not None:
-        aten, onednn = _TORCH[cap]
-        os.environ.setdefault("ATEN_CPU_CAPABILITY", aten)
-        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
+        for name, value in zip(("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"), _TORCH[cap],
+                               strict=True):
+            os.environ.setdefault(name, value)

@@ -14,15 +14,13 @@ pytestmark = pytest.mark.skipif(not native_kernels.avx2_available(), reason="no 
 
 
 @pytest.mark.parametrize(("n", "k"), [(16, 3), (20, 5), (33, 1)])
-def test_packing_round_trips_and_puts_channels_where_the_unpacks_expect_them(n: int, k: int) -> None:
+def test_packing_round_trips_and_puts_channels_where_the_kernel_expects_them(n: int, k: int) -> None:
     w = torch.randn(n, k).bfloat16()
     packed = native_layouts.pack_bf16_avx2(w)
     assert packed.shape == (-(-n // 16), k, 16)
     assert torch.equal(native_layouts.unpack_bf16_avx2(packed, n), w)
     # the low 128-bit halves of a group's 16 values hold channels 0-3 and 4-7, the high halves 8-11 and 12-15
     assert torch.equal(packed[0, 0, 4:8], w[8:12, 0]) and torch.equal(packed[0, 0, 8:12], w[4:8, 0])
-    unpacked = native_gemm.unpack_bf16_avx2_to_f32(packed, torch.empty(k, packed.shape[0] * 16))  # [K, N padded]
-    assert torch.equal(unpacked[:, :n], w.float().t()) and not unpacked[:, n:].any()
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -63,9 +61,9 @@ def test_bf16_linear_takes_the_avx2_kernel_below_avx512_bf16(monkeypatch: pytest
     x = torch.randn(4, 48, dtype=torch.bfloat16)
     packed = native_layouts.pack_bf16_avx2(lin.weight.detach())
     assert torch.equal(module(x), native_gemm.bf16_gemm_avx2(x, packed, 20, lin.bias.detach()))
-    long = torch.randn(80, 48, dtype=torch.bfloat16)  # prefill rows: an fp32 matmul of the same values
-    ref = torch.nn.functional.linear(long.float(), lin.weight.float(), lin.bias.float())
-    torch.testing.assert_close(module(long).float(), ref.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    long = torch.randn(300, 48, dtype=torch.bfloat16)  # prefill rows: the same kernel, each row on its own
+    assert torch.equal(module(long), native_gemm.bf16_gemm_avx2(long, packed, 20, lin.bias.detach()))
+    assert torch.equal(module(long)[7:8], module(long[7:8]))
 
 
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 1536, 96), (4, 64, 40), (9, 45, 33), (2, 16, 7)])

@@ -84,20 +84,32 @@ def _bits(outputs: list) -> list:
     return [(o.token_ids, [(e.token_id, e.logprob, e.top) for e in o.logprobs or []]) for o in outputs]
 
 
-@pytest.mark.skipif(not native_kernels.available(), reason="no AVX512-BF16 CPU or no C compiler")
-@pytest.mark.parametrize(("dtype", "spec", "params"), [
-    ("bf16", None, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)),
-    ("bf16", None, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True, logprobs=1)),
-    ("bf16", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-     SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)),
-    ("fp32", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-     SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)),
-], ids=["bf16-greedy", "bf16-sampled", "bf16-ngram", "fp32-ngram"])
-def test_a_request_has_the_same_bits_alone_or_in_a_batch(tiny_qwen_dir: Path, dtype: str, spec: dict | None,
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize(("cls", "dtype", "spec", "params"), [
+    (None, "bf16", None, GREEDY),
+    (None, "bf16", None, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True,
+                                        logprobs=1)),
+    (None, "bf16", NGRAM, GREEDY),
+    (None, "fp32", NGRAM, GREEDY),
+    ("avx2", "bf16", None, GREEDY),
+    ("avx512vnni", "bf16", NGRAM, GREEDY),
+], ids=["bf16-greedy", "bf16-sampled", "bf16-ngram", "fp32-ngram", "bf16-greedy@avx2", "bf16-ngram@avx512vnni"])
+def test_a_request_has_the_same_bits_alone_or_in_a_batch(tiny_qwen_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          cls: str | None, dtype: str, spec: dict | None,
                                                           params: SamplingParams) -> None:
     """Default settings (no batch-invariant mode): 8 requests as one batch, their prompts prefilled in chunks
     of 32 tokens between the others' steps and partly from the prefix cache, against each request alone with
-    no prefix cache, prefilled whole."""
+    no prefix cache, prefilled whole. `@CLASS`: the machine run as that CPU class (SPECDECODE_ISA), below
+    AVX512-BF16: the AVX2 GEMM and attention kernels."""
+    if cls is not None:
+        monkeypatch.setenv("SPECDECODE_ISA", cls)
+        if not native_kernels.avx2_available() or native_kernels.attention_library() is None:
+            pytest.skip("no AVX2 kernels here")
+    elif not native_kernels.available():
+        pytest.skip("no AVX512-BF16 CPU or no C compiler")
     batch = LLM(str(tiny_qwen_dir), dtype=dtype, speculative_config=spec, max_num_batched_tokens=32)
     alone = LLM(str(tiny_qwen_dir), dtype=dtype, speculative_config=spec, enable_prefix_caching=False,
                 max_num_batched_tokens=0)

@@ -262,27 +262,43 @@ def _attention_inputs(t: int, s: int, tree: bool) -> tuple[torch.Tensor, ...]:
     return q, kc, vc, mask.view(1, 1, t, s)
 
 
-@needs_native
+ATTENTION_CLASSES = ["best", "avx2"]
+"""The attention kernel of this CPU's class (AVX512) and, forced with SPECDECODE_ISA, the AVX2 one."""
+
+
+def _attention_class(monkeypatch: pytest.MonkeyPatch, cls: str) -> None:
+    if cls != "best":
+        monkeypatch.setenv("SPECDECODE_ISA", cls)
+    if native_kernels.attention_library() is None:
+        pytest.skip(f"no attention kernel of class {cls} here")
+
+
+@pytest.mark.parametrize("cls", ATTENTION_CLASSES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t,tree", [(1, False), (5, False), (6, True)])
-def test_attention_kernel_matches_torch(t: int, tree: bool) -> None:
+def test_attention_kernel_matches_torch(monkeypatch: pytest.MonkeyPatch, cls: str, dtype: torch.dtype, t: int,
+                                        tree: bool) -> None:
     from specdecode.model.transformer import small_attention
 
+    _attention_class(monkeypatch, cls)
     s = 45
-    q, kc, vc, mask = _attention_inputs(t, s, tree)
+    q, kc, vc, mask = (x.to(dtype) for x in _attention_inputs(t, s, tree))
+    mask = mask.bool()
     keys, values = kc[:, :, :s], vc[:, :, :s]
     m = None if t == 1 else mask
     with torch.inference_mode():
         fast = native_kernels.attend(q, keys, values, m, 128**-0.5)  # [1, t, H * hd]
     ref = small_attention(q, keys, values, m).transpose(1, 2).reshape(1, t, -1)
-    assert fast.shape == ref.shape and fast.dtype == torch.bfloat16
+    assert fast.shape == ref.shape and fast.dtype == dtype
     # fp32 inside, one bf16 rounding at the end: a step of bf16 at most (sums in another order).
-    assert bool(((fast.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-6).all())
+    assert bool(((fast.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-5).all())
 
 
-@needs_native
-def test_attention_rows_equal_single_queries() -> None:
+@pytest.mark.parametrize("cls", ATTENTION_CLASSES)
+def test_attention_rows_equal_single_queries(monkeypatch: pytest.MonkeyPatch, cls: str) -> None:
     """A verification row equals the single query at its own cache length, bit for bit: masked slots
     add exact zeros, so the longer cache of a verification forward changes nothing."""
+    _attention_class(monkeypatch, cls)
     s, t = 45, 5
     q, kc, vc, mask = _attention_inputs(t, s, tree=False)
     with torch.inference_mode():
@@ -335,11 +351,13 @@ def test_bf16_verification_rows_equal_single_token_forwards(tiny_qwen_dir, monke
     assert torch.equal(hidden[0], hidden[1])
 
 
-@needs_native
-def test_attention_of_a_tree_node_equals_its_path_laid_out_in_a_row() -> None:
+@pytest.mark.parametrize("cls", ATTENTION_CLASSES)
+def test_attention_of_a_tree_node_equals_its_path_laid_out_in_a_row(monkeypatch: pytest.MonkeyPatch,
+                                                                     cls: str) -> None:
     """A tree node sees its ancestors at scattered slots; after acceptance, plain decoding would see the
     same keys at consecutive slots. The kernel attends over the seen slots only, in slot order, so both
     give the same bits (the verified path then matches plain decoding exactly)."""
+    _attention_class(monkeypatch, cls)
     s, t = 45, 6
     q, kc, vc, mask = _attention_inputs(t, s, tree=True)  # node i sees nodes j <= i with j = i (mod 2)
     with torch.inference_mode():

@@ -23,8 +23,8 @@ from torch import nn
 from specdecode import LLM, SamplingParams
 from specdecode.cli import build_parser
 from specdecode.config import DRAFT_QUANTIZATIONS, QUANTIZATIONS, SpeculativeConfig
-from specdecode.model import native_kernels, native_layouts
-from specdecode.model.bf16_linear import BF16Linear, fp32_linear_by_chunks
+from specdecode.model import native_kernels
+from specdecode.model.bf16_linear import BF16Linear
 from specdecode.model.fast_linear import FORMATS, convert_linears, draft_linear_format, target_linear_format
 from specdecode.model.int4_linear import Int4HybridLinear, Int4WeightLinear
 from specdecode.model.int8_linear import Int8DynamicLinear, Int8WeightLinear
@@ -250,21 +250,6 @@ def test_quantizing_conversion_keeps_no_loaded_tensor(tiny_qwen_dir, fmt: str) -
     held = [t for m in model.modules() for t in [*m.parameters(recurse=False), *vars(m).values()]
             if isinstance(t, torch.Tensor)]
     assert held and not {storage(t) for t in held} & {storage(t) for t in originals}
-
-
-@pytest.mark.parametrize(("m", "n", "chunk"), [(70, 100, 32), (3, 7, 256), (130, 256, 256)])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_fp32_linear_by_chunks_equals_one_fp32_matmul(m: int, n: int, chunk: int, with_bias: bool) -> None:
-    """The AVX2 prefill path: chunks of the bf16 weights converted to fp32 and multiplied one at a time give
-    the fp32 matmul of the whole (bf16-rounded) input with tight tolerance, for a tail chunk too."""
-    g = torch.Generator().manual_seed(m + n)
-    x = torch.randn(m, 48, generator=g)
-    w = torch.randn(n, 48, generator=g).bfloat16()
-    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    y = fp32_linear_by_chunks(x, native_layouts.pack_bf16_avx2(w), n, bias, chunk=chunk)
-    ref = torch.nn.functional.linear(x.bfloat16().float(), w.float(), None if bias is None else bias.float())
-    assert y.shape == (m, n) and y.is_contiguous()
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("avx512", "avx2", "expected"), [(True, True, "int4-hybrid"), (False, True, "int8"),

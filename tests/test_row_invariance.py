@@ -4,11 +4,13 @@ lengths, positions and tree masks), its prefix copied from another cache as a pr
 whole or in chunks of any size (past the few-row paths), its last tokens verified inside a tree.
 
 Paths: fp32 and bf16 on our kernels, the weight-only int8 and int8-dynamic formats, and GGUF blocks of every kernel
-type (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) on each GGUF kernel this CPU runs. Then what the engine does with
+type (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) on each GGUF kernel this CPU runs; then GGUF, bf16 and int8 as on
+the CPU classes without AVX512-BF16 (forced with SPECDECODE_ISA). Then what the engine does with
 the logits: grammar masks, the sampling processors and log-probabilities, row by row too."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -79,25 +81,36 @@ HF_PATHS = {  # name: (dtype, quantization, model)
     "bf16-llama": ("bf16", "none", "tiny_llama_dir"), "bf16-qwen": ("bf16", "none", "tiny_qwen_dir"),
     "int8-qwen": ("bf16", "int8", "tiny_qwen_dir"), "int8-dynamic-llama": ("bf16", "int8-dynamic", "tiny_llama_dir"),
 }
-PATHS = [*HF_PATHS, *(f"gguf-{isa}" for isa in gguf_linear.ISAS)]
+PATHS = [*HF_PATHS, *(f"gguf-{isa}" for isa in gguf_linear.ISAS), "gguf-avx512@avx512vnni", "gguf-avx2@avx2",
+         "bf16-qwen@avx512vnni", "bf16-llama@avx2", "int8-qwen@avx2"]
+"""`PATH@CLASS`: the machine run as CPU class CLASS (SPECDECODE_ISA): no AVX512-BF16 library, so the bf16 and int8
+linears take the AVX2 GEMM, attention the AVX2 kernel, and the norms, rope and SiLU torch's ops."""
 
 
 @pytest.fixture(scope="module", params=PATHS)
-def model(request: pytest.FixtureRequest) -> Transformer:
+def model(request: pytest.FixtureRequest) -> Iterator[Transformer]:
     name: str = request.param
-    if not native_kernels.available():
-        pytest.skip("no AVX512-BF16 CPU or no C compiler: torch's kernels, not row-independent")
-    if name.startswith("gguf-"):
-        isa = name.removeprefix("gguf-")
-        if gguf_linear.library(isa) is None:
-            pytest.skip(f"this CPU does not run the {isa} GGUF kernel")
-        with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:
+        if "@" in name:
+            name, cls = name.split("@")
+            mp.setenv("SPECDECODE_ISA", cls)  # for the whole module's use of the model: forwards choose kernels
+            if native_kernels.attention_library() is None:
+                pytest.skip("no AVX2 attention kernel here")
+        elif not native_kernels.available():
+            pytest.skip("no AVX512-BF16 CPU or no C compiler: torch's kernels, not row-independent")
+        if name.startswith("gguf-"):
+            isa = name.removeprefix("gguf-")
+            if gguf_linear.library(isa) is None:
+                pytest.skip(f"this CPU does not run the {isa} GGUF kernel")
             mp.setenv("SPECDECODE_GGUF_ISA", isa)
             m, _ = load_native(request.getfixturevalue("gguf_file"), torch.bfloat16)
-        assert all(lin.native and lin.kernel == isa for lin in m.modules() if isinstance(lin, gguf_linear.GGUFLinear))
-        return m
-    dtype, quantization, directory = HF_PATHS[name]
-    return hf_model(request.getfixturevalue(directory), dtype, quantization)
+            mp.delenv("SPECDECODE_GGUF_ISA")
+            assert all(lin.native and lin.kernel == isa for lin in m.modules()
+                       if isinstance(lin, gguf_linear.GGUFLinear))
+            yield m
+            return
+        dtype, quantization, directory = HF_PATHS[name]
+        yield hf_model(request.getfixturevalue(directory), dtype, quantization)
 
 
 def prompt(model: Transformer, seed: int) -> list[int]:

@@ -3,8 +3,8 @@ up-projection), per format and kernel, for prompts of a few hundred tokens: what
 
 Decode reads each weight once per token and is bound by memory; prefill multiplies every weight by
 hundreds of rows and is bound by arithmetic, where bf16 dot products (oneDNN) do twice the work of fp32
-FMAs per instruction. On a CPU with AVX2 but no AVX512 the bf16 rows are ours: the AVX2 kernel and the
-chunked fp32 matmuls of prefill (`--rows 3,16,65,128,664` shows where one overtakes the other).
+FMAs per instruction. Below AVX512-BF16 the bf16 rows are ours: the AVX2 kernel at every row count, against an
+fp32 matmul of converted weights (`SPECDECODE_ISA=avx2` runs a larger CPU as that class).
 
     python benchmarks/kernels/prefill_linears.py [--rows 128,512] [--threads 2]
 """
@@ -19,24 +19,11 @@ import torch.nn.functional as F
 from linear_kernels import seconds_per_pass  # the timing loop of the decode-side twin of this script
 
 from specdecode.model import native_gemm, native_kernels, native_layouts
-from specdecode.model.bf16_linear import BF16Linear, fp32_linear_by_chunks, onednn_bf16_supported
+from specdecode.model.bf16_linear import BF16Linear, onednn_bf16_supported
 from specdecode.model.int4_linear import Int4WeightLinear
 from specdecode.model.int8_linear import Int8DynamicLinear, Int8WeightLinear
 
 K, N = 1536, 8960
-
-
-def unpacked_chunks(x: torch.Tensor, weight: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """The older AVX2 prefill packed the weights: chunks of the [N, K] bf16 weights to fp32, then mm."""
-    xf = x.to(torch.bfloat16).float().t()  # [K, M]
-    n, k = weight.shape
-    yt = torch.empty(n, x.shape[0])
-    buf = torch.empty(min(chunk, n), k)
-    for c0 in range(0, n, chunk):
-        w = buf[: min(n, c0 + chunk) - c0]
-        w.copy_(weight[c0 : c0 + w.shape[0]])
-        torch.mm(w, xf, out=yt[c0 : c0 + w.shape[0]])
-    return yt.t().contiguous()
 
 
 def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -47,12 +34,7 @@ def variants(lin: torch.nn.Linear) -> dict[str, Callable[[torch.Tensor], torch.T
         out["bf16 packed (oneDNN)"] = BF16Linear(lin, native=False)
     elif native_kernels.avx2_available():  # AVX2 without AVX512: oneDNN's bf16 matmul refuses to run
         wp = native_layouts.pack_bf16_avx2(w)
-        out["bf16, our AVX2 kernel (decode and verification: up to 65 rows)"] = (
-            lambda x: native_gemm.bf16_gemm_avx2(x.reshape(-1, K), wp, N))
-        out["bf16, fp32 matmuls on 256-channel chunks (AVX2 prefill)"] = (
-            lambda x: fp32_linear_by_chunks(x.reshape(-1, K), wp, N, None))
-        out["bf16, the same on chunks of [N, K] weights (before the packed layout)"] = (
-            lambda x: unpacked_chunks(x.reshape(-1, K), w))
+        out["bf16, our AVX2 kernel (every row count)"] = lambda x: native_gemm.bf16_gemm_avx2(x.reshape(-1, K), wp, N)
         out["bf16, fp32 matmul on a whole fp32 copy per call"] = lambda x: F.linear(x.float(), w.float())
     out["int8-dynamic (FBGEMM)"] = Int8DynamicLinear(lin, native=False)
     out["int8 weight-only, torch"] = i8

@@ -40,39 +40,6 @@ def bf16_copies_weights() -> bool:
     return bf16_uses_avx2_kernel() or (native_kernels.available() and native_kernels.amx_available())
 
 
-AVX2_MAX_ROWS = 65
-"""Rows up to which the AVX2 kernel takes a bf16 linear: one token, or the verification of a chain or of a tree of
-up to 64 nodes (specdecode.tree.MAX_TREE_NODES) plus its root. Longer forwards (prefill) take fp32 matmuls on
-chunks of the weights (`fp32_linear_by_chunks`), whose rows are not independent of each other."""
-
-
-FP32_CHUNK_CHANNELS = 256
-"""Output channels per fp32 copy in `fp32_linear_by_chunks`: 256 x 8960 fp32 weights (9 MB) stay in a
-Zen 3's L3 between their conversion and their matmul."""
-
-
-def fp32_linear_by_chunks(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
-                          chunk: int = FP32_CHUNK_CHANNELS) -> torch.Tensor:
-    """x [M, K] (rounded to bf16 first, as the kernels do) times the bf16 weights packed for the AVX2 kernel
-    (`native_layouts.pack_bf16_avx2`: [groups, K, 16], N = n) + bias, in fp32 -> [M, N].
-
-    Converting the whole weight to fp32 per call writes and re-reads twice its bytes in memory, a large part of
-    a prefill's time on an AVX2 CPU; a chunk at a time converts into cache and multiplies from there."""
-    xf = x.to(torch.bfloat16).float().t()  # [K, M]
-    groups, k, width = packed.shape
-    per = max(1, chunk // width)  # groups per chunk
-    yt = torch.empty(groups * width, x.shape[0])  # [N rounded up to groups, M]
-    buf = torch.empty(k * min(groups, per) * width)
-    for g0 in range(0, groups, per):
-        g1 = min(groups, g0 + per)
-        w = native_gemm.unpack_bf16_avx2_to_f32(packed[g0:g1], buf[: k * (g1 - g0) * width].view(k, -1))
-        torch.mm(w.t(), xf, out=yt[g0 * width : g1 * width])  # [chunk channels, M]
-    yt = yt[:n]
-    if bias is not None:
-        yt += bias.float()[:, None]
-    return yt.t().contiguous()
-
-
 class BF16Linear(nn.Module):
     """The model's own bf16 weights: the exact target's format on CPU.
 
@@ -97,8 +64,8 @@ class BF16Linear(nn.Module):
         self.amx = self.native and native_kernels.amx_available()
         """Intel CPUs with AMX: our AMX kernel for every row count (prefill too), weights re-laid out."""
         self.avx2 = not self.native and bf16_uses_avx2_kernel()
-        """A CPU without AVX512 (oneDNN's bf16 matmul refuses to run): our AVX2 kernel for a few rows,
-        fp32 matmuls for prefill (`AVX2_MAX_ROWS`)."""
+        """A CPU without AVX512-BF16: our AVX2 kernel at every row count, prefill included (as fast as fp32
+        matmuls on converted weights from a few hundred rows down, and rows independent)."""
         if self.amx:
             self.packed_amx = native_layouts.pack_bf16_amx(w)  # [N/64, K/32, 4, 16, 16, 2]; a copy (tied too)
         elif self.native:
@@ -116,10 +83,6 @@ class BF16Linear(nn.Module):
         if self.amx:
             y = native_gemm.bf16_gemm_amx(x, self.packed_amx, self.out_features, self.bias)  # [M, N], x's dtype
             return y.reshape(*shape[:-1], y.shape[-1])
-        if self.avx2 and x.numel() // shape[-1] > AVX2_MAX_ROWS:
-            # torch's bf16 matmul has no fast path here: fp32 matmuls on chunks of the weights
-            y = fp32_linear_by_chunks(x.reshape(-1, shape[-1]), self.packed_avx2, self.out_features, self.bias)
-            return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)  # [..., N]
         if self.avx2:
             y = native_gemm.bf16_gemm_avx2(x, self.packed_avx2, self.out_features, self.bias)  # [M, N], x's dtype
         else:

@@ -122,15 +122,3 @@ def int8_gemm_avx2(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -
     assert packed.dtype == torch.int8 and packed.is_contiguous() and packed.shape[2] == AVX2_GROUP
     assert scale.dtype == torch.bfloat16
     return _gemm("int8", x, packed, scale, n=scale.shape[0], lib=avx2_library())
-
-
-def unpack_bf16_avx2_to_f32(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """fp32 `out` [K, groups * 16] <- the packed bf16 groups [groups, K, 16] (contiguous), channels in natural
-    order, in one pass of our AVX2 library (cheaper than torch's strided copy of the same transposition)."""
-    groups, k, _ = packed.shape
-    assert packed.dtype == torch.bfloat16 and packed.is_contiguous()
-    assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (k, groups * AVX2_GROUP)
-    lib = avx2_library()
-    assert lib is not None
-    lib.bf16_unpack_f32(packed.data_ptr(), groups, k, out.data_ptr(), torch.get_num_threads())
-    return out

@@ -4,8 +4,8 @@ each query over the slots it sees, at any length).
 
 Three libraries: cpu_kernels.c (AVX512-BF16 and VNNI: the GEMMs of every format and of fp32, the decoder ops and
 the native layer stack), cpu_kernels_amx.c (the bf16 GEMM on AMX tiles) and cpu_kernels_avx2.c (the bf16 and
-weight-only int8 GEMMs for CPUs without AVX512). They need a C compiler with OpenMP; each checks the CPU's
-features before any kernel runs, and where it does not build or the CPU lacks them (or with
+weight-only int8 GEMMs and the attention for CPUs without AVX512-BF16). They need a C compiler with OpenMP;
+each checks the CPU's features before any kernel runs, and where it does not build or the CPU lacks them (or with
 SPECDECODE_NATIVE_KERNELS=0) its check (`available()`, `amx_available()`, `avx2_available()`) is False and the
 model keeps torch's kernels. The GEMMs' Python side is `native_gemm`, the weight layouts they read
 `native_layouts`.
@@ -77,10 +77,7 @@ def _avx512_library() -> ctypes.CDLL | None:
     lib.int8_dynamic_gemm.restype = None
     lib.rms_norm_bf16.argtypes = [_P, _P, ctypes.c_float, _L, _L, _P]
     lib.rms_norm_bf16.restype = None
-    lib.attend_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P, _I]
-    lib.attend_bf16.restype = None
-    lib.attend_f32.argtypes = lib.attend_bf16.argtypes
-    lib.attend_f32.restype = None
+    _attention_types(lib)
     lib.rope_qkv_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _P, _L, _L]
     lib.rope_qkv_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [_P, _L, _L, _P]
@@ -96,6 +93,22 @@ def available() -> bool:
     return library() is not None
 
 
+def _attention_types(lib: ctypes.CDLL) -> None:
+    lib.attend_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P, _I]
+    lib.attend_bf16.restype = None
+    lib.attend_f32.argtypes = lib.attend_bf16.argtypes
+    lib.attend_f32.restype = None
+
+
+def attention_library() -> ctypes.CDLL | None:
+    """The library whose `attend_*` kernels run here: the AVX512 one, else the AVX2 one (same contract)."""
+    lib = library()
+    if lib is not None:
+        return lib
+    lib = avx2_library()
+    return lib if lib is not None and hasattr(lib, "attend_bf16") else None
+
+
 def load_avx2_library(source: Path = SOURCE_AVX2, name: str = "cpu-kernels-avx2") -> ctypes.CDLL | None:
     """The AVX2 library built from `source` (another version of it for an A/B: benchmarks/kernels/avx2_rows.py)."""
     lib = _load(source, name, "avx2_supported")
@@ -104,9 +117,8 @@ def load_avx2_library(source: Path = SOURCE_AVX2, name: str = "cpu-kernels-avx2"
     if lib is not None:
         lib.bf16_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
         lib.bf16_gemm.restype = None
-    if lib is not None and hasattr(lib, "bf16_unpack_f32"):
-        lib.bf16_unpack_f32.argtypes = [_P, _L, _L, _P, _I]
-        lib.bf16_unpack_f32.restype = None
+    if lib is not None and hasattr(lib, "attend_bf16"):
+        _attention_types(lib)
     if lib is not None and hasattr(lib, "int8_gemm"):
         lib.int8_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
         lib.int8_gemm.restype = None
@@ -175,9 +187,10 @@ def glue_applies(x: torch.Tensor) -> bool:
 
 def attend_applies(x: torch.Tensor, hd: int) -> bool:
     """Whether `attend` takes the queries of x (a layer's input or its queries): bf16 or fp32 inference on the
-    CPU with our kernels, and a head size hd the kernel's registers hold (a multiple of 16, at most 256)."""
+    CPU with our AVX512 or AVX2 kernels, and a head size hd the kernel's registers hold (a multiple of 16, at
+    most 256)."""
     return (hd % 16 == 0 and hd <= 256 and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
-            and not torch.is_grad_enabled() and available())
+            and not torch.is_grad_enabled() and attention_library() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -200,7 +213,7 @@ def attend(
 ) -> torch.Tensor:
     """Softmax attention, each query over the slots it sees in slot order, fp32 inside: [B, T, H * hd] in q's
     dtype (o_proj's input layout). q, keys and values all bf16 or all fp32."""
-    lib = library()
+    lib = attention_library()
     assert lib is not None
     b, h, t, hd = q.shape
     kvh, s = keys.shape[1], keys.shape[2]

@@ -144,7 +144,8 @@ def stack_for(model: nn.Module, x: torch.Tensor, cache: KVCache | None) -> Nativ
     a bf16 cache, and linears that all have a native path for B * T rows. The caller keeps T within the
     attention kernel's few queries."""
     b, t, _ = x.shape
-    if cache is None or cache.k.dtype != torch.bfloat16 or not native_kernels.attend_applies(x, model.config.head_dim):
+    if (cache is None or cache.k.dtype != torch.bfloat16 or not native_kernels.available()
+            or not native_kernels.attend_applies(x, model.config.head_dim)):
         return None
     if not cache_fits(cache):
         return None

@@ -18,8 +18,12 @@
 // natural order: each half of 16 bytes sign-extends to 8 int32, then converts to fp32 exactly) and one scale per
 // output channel applied to the finished sum: half the bytes of bf16 for a draft's or an opted-in target's
 // single-token reads.
+//
+// Attention (`attend_bf16`, `attend_f32`) is cpu_kernels.c's in 8-wide vectors: each query over the slots it sees,
+// gathered in slot order, so that a token's result does not depend on the forward it is in.
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -179,16 +183,119 @@ TARGET void int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const i
     gemm(W_INT8, x, x_is_f32, M, K, qp, scale, NULL, N, y, y_is_f32, threads);
 }
 
-// fp32 copy of `groups` packed bf16 groups (bf16_pack_avx2's layout, from wp) as out [K][groups * 16], channels
-// in natural order: the prefill's operand for an fp32 matmul, converted a chunk at a time into cache.
-TARGET void bf16_unpack_f32(const uint16_t* wp, int64_t groups, int64_t K, float* out, int threads) {
-    const int64_t row = groups * GROUP;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t k = 0; k < K; k++)
-        for (int64_t g = 0; g < groups; g++) {
-            __m256 lo, hi;
-            weights_at(W_BF16, wp + g * K * GROUP, k, &lo, &hi);
-            _mm256_storeu_ps(out + k * row + g * GROUP, lo);
-            _mm256_storeu_ps(out + k * row + g * GROUP + 8, hi);
-        }
+// ---- attention ------------------------------------------------------------------------------------------------
+
+TARGET static inline __attribute__((always_inline)) float hsum8(__m256 v) {  // fixed order: halves, pairs, lanes
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0, as cpu_kernels.c's exp_nonpositive: 2^n * e^r, |r| <= ln2 / 2, degree-6 polynomial;
+// below -87.3 (and -inf, a masked score) gives 0.
+TARGET static inline __attribute__((always_inline)) __m256 exp_nonpositive8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts (Cody-Waite)
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    // 2^n for n in [-126, 0]: a normal float built from its exponent bits, so the product is exact scaling
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+TARGET static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t i, int f32) {
+    if (f32) return _mm256_loadu_ps((const float*)p + i);
+    const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// q [B, H, T, hd] (contiguous, roped); k, v: element (b, kvh, s, d) at b * bs + kvh * hs + s * hd + d; mask
+// [B, T, S] (1 = attend) or NULL = every slot < S; out [B, T, H * hd]; all bf16 or all fp32. hd: a multiple of 16,
+// at most 256 (as the AVX512 kernel takes).
+TARGET static inline __attribute__((always_inline)) void attend(const int f32, const void* q, const void* k,
+                                                                  const void* v, const uint8_t* mask, int64_t B,
+                                                                  int64_t H, int64_t KVH, int64_t T, int64_t S,
+                                                                  int64_t hd, int64_t bs, int64_t hs, float scale,
+                                                                  void* out, int threads) {
+    const int64_t groups = H / KVH;
+#pragma omp parallel num_threads(threads)
+    {
+        float* p = (float*)malloc((size_t)(S + 8) * sizeof(float));  // scores, then probabilities, of seen slots
+        int64_t* seen = (int64_t*)malloc((size_t)S * sizeof(int64_t));
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t kv_at = b * bs + (h / groups) * hs;
+                for (int64_t t = 0; t < T; t++) {
+                    const int64_t q_at = ((b * H + h) * T + t) * hd;
+                    const uint8_t* mr = mask ? mask + (b * T + t) * S : NULL;
+                    __m256 qv[32];
+                    for (int64_t d = 0; d < hd; d += 8) qv[d / 8] = load8(q, q_at + d, f32);
+                    int64_t n = 0;
+                    float mx = -INFINITY;
+                    for (int64_t s = 0; s < S; s++) {
+                        if (mr && !mr[s]) continue;
+                        __m256 acc = _mm256_setzero_ps();
+                        for (int64_t d = 0; d < hd; d += 8)
+                            acc = _mm256_fmadd_ps(qv[d / 8], load8(k, kv_at + s * hd + d, f32), acc);
+                        p[n] = hsum8(acc) * scale;
+                        mx = p[n] > mx ? p[n] : mx;
+                        seen[n++] = s;
+                    }
+                    for (int64_t i = n; i < n + 8; i++) p[i] = -INFINITY;  // the last vector's tail: exp gives 0
+                    __m256 sum = _mm256_setzero_ps();
+                    const __m256 mxv = _mm256_set1_ps(mx);
+                    for (int64_t i = 0; i < n; i += 8) {
+                        const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(p + i), mxv));
+                        _mm256_storeu_ps(p + i, e);
+                        sum = _mm256_add_ps(sum, e);
+                    }
+                    const float inv = 1.0f / hsum8(sum);
+                    __m256 o[32];
+                    for (int64_t d = 0; d < hd; d += 8) o[d / 8] = _mm256_setzero_ps();
+                    for (int64_t i = 0; i < n; i++) {
+                        const __m256 ps = _mm256_set1_ps(p[i] * inv);
+                        const int64_t v_at = kv_at + seen[i] * hd;
+                        for (int64_t d = 0; d < hd; d += 8)
+                            o[d / 8] = _mm256_fmadd_ps(ps, load8(v, v_at + d, f32), o[d / 8]);
+                    }
+                    const int64_t o_at = (b * T + t) * H * hd + h * hd;
+                    for (int64_t d = 0; d < hd; d += 8) {
+                        float lane[8];
+                        _mm256_storeu_ps(lane, o[d / 8]);
+                        for (int j = 0; j < 8; j++) {
+                            if (f32)
+                                ((float*)out)[o_at + d + j] = lane[j];
+                            else
+                                ((uint16_t*)out)[o_at + d + j] = f32_to_bf16(lane[j]);
+                        }
+                    }
+                }
+            }
+        free(seen);
+        free(p);
+    }
+}
+
+TARGET void attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t B,
+                        int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t hd, int64_t bs, int64_t hs,
+                        float scale, uint16_t* out, int threads) {
+    attend(0, q, k, v, mask, B, H, KVH, T, S, hd, bs, hs, scale, out, threads);
+}
+
+TARGET void attend_f32(const float* q, const float* k, const float* v, const uint8_t* mask, int64_t B, int64_t H,
+                       int64_t KVH, int64_t T, int64_t S, int64_t hd, int64_t bs, int64_t hs, float scale,
+                       float* out, int threads) {
+    attend(1, q, k, v, mask, B, H, KVH, T, S, hd, bs, hs, scale, out, threads);
 }
