@@ -92,3 +92,19 @@ def test_int8_weight_linear_takes_the_avx2_kernel_unless_torch_is_asked_for(monk
     assert torch.equal(ours.dequantized(), torchs.dequantized())
     x = torch.randn(5, 48)
     torch.testing.assert_close(ours(x), torchs(x), rtol=1e-2, atol=1e-2)  # torch rounds its output to bf16
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1536, 100), (3, 45, 33), (70, 64, 17), (2, 7, 5)])
+def test_f32_kernel_matches_the_reference_and_rows_are_independent(monkeypatch: pytest.MonkeyPatch, m: int, k: int,
+                                                                   n: int) -> None:
+    monkeypatch.setenv("SPECDECODE_ISA", "avx2")  # the AVX2 library's kernel (forced where this CPU has more)
+    if native_kernels.f32_library() is None:
+        pytest.skip("the AVX2 kernel does not build or run here")
+    g = torch.Generator().manual_seed(m * k + n)
+    x, w, bias = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    y = native_gemm.f32_gemm(x, w, bias)
+    ref = x.double() @ w.double().T + bias.double()
+    assert ((y.double() - ref).abs() <= 4 * k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T)
+            + 1e-5).all()
+    for i in range(m):
+        assert torch.equal(native_gemm.f32_gemm(x[i : i + 1], w, bias), y[i : i + 1])

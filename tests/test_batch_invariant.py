@@ -96,7 +96,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     (None, "fp32", NGRAM, GREEDY),
     ("avx2", "bf16", None, GREEDY),
     ("avx512vnni", "bf16", NGRAM, GREEDY),
-], ids=["bf16-greedy", "bf16-sampled", "bf16-ngram", "fp32-ngram", "bf16-greedy@avx2", "bf16-ngram@avx512vnni"])
+    ("avx2", "fp32", NGRAM, GREEDY),
+], ids=["bf16-greedy", "bf16-sampled", "bf16-ngram", "fp32-ngram", "bf16-greedy@avx2", "bf16-ngram@avx512vnni",
+        "fp32-ngram@avx2"])
 def test_a_request_has_the_same_bits_alone_or_in_a_batch(tiny_qwen_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                           cls: str | None, dtype: str, spec: dict | None,
                                                           params: SamplingParams) -> None:

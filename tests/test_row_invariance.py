@@ -82,9 +82,10 @@ HF_PATHS = {  # name: (dtype, quantization, model)
     "int8-qwen": ("bf16", "int8", "tiny_qwen_dir"), "int8-dynamic-llama": ("bf16", "int8-dynamic", "tiny_llama_dir"),
 }
 PATHS = [*HF_PATHS, *(f"gguf-{isa}" for isa in gguf_linear.ISAS), "gguf-avx512@avx512vnni", "gguf-avx2@avx2",
-         "bf16-qwen@avx512vnni", "bf16-llama@avx2", "int8-qwen@avx2"]
+         "bf16-qwen@avx512vnni", "bf16-llama@avx2", "int8-qwen@avx2", "fp32-qwen@avx2"]
 """`PATH@CLASS`: the machine run as CPU class CLASS (SPECDECODE_ISA): no AVX512-BF16 library, so the bf16 and int8
-linears take the AVX2 GEMM, attention the AVX2 kernel, and the norms, rope and SiLU torch's ops."""
+linears take the AVX2 GEMMs (bf16, int8, fp32), attention the AVX2 kernel, and the norms, rope and SiLU torch's
+ops."""
 
 
 @pytest.fixture(scope="module", params=PATHS)

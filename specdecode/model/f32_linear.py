@@ -21,7 +21,10 @@ class F32Linear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.native = native_kernels.use_native(native)
+        found = native_kernels.f32_library() is not None  # the AVX512 kernel, else the AVX2 one
+        if native and not found:
+            raise ValueError("the native fp32 kernel is not available on this machine")
+        self.native = found if native is None else native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias

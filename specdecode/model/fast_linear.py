@@ -95,7 +95,7 @@ def target_linear_format(quantization: str, dtype: torch.dtype, device: torch.de
         return quantization  # type: ignore[return-value]
     if dtype == torch.bfloat16:
         return "bf16"
-    return "f32" if dtype == torch.float32 and native_kernels.available() else "none"
+    return "f32" if dtype == torch.float32 and native_kernels.f32_library() is not None else "none"
 
 
 def draft_linear_format(quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormat:

@@ -254,10 +254,10 @@ class GGUFLinear(nn.Module):
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """The dequantized weights: our bf16 or fp32 kernel for inference on a CPU that runs it, else torch's."""
         w, bias = self.weight, self.bias
-        fast = native_kernels.available() and x.device.type == "cpu" and not torch.is_grad_enabled()
-        if fast and x.dtype == w.dtype == torch.bfloat16:
+        fast = x.device.type == "cpu" and not torch.is_grad_enabled()
+        if fast and native_kernels.available() and x.dtype == w.dtype == torch.bfloat16:
             y = native_gemm.bf16_gemm(x.reshape(-1, x.shape[-1]), w, bias)
-        elif fast and x.dtype == w.dtype == torch.float32:
+        elif fast and native_kernels.f32_library() is not None and x.dtype == w.dtype == torch.float32:
             y = native_gemm.f32_gemm(x, w, None if bias is None else bias.float())
         else:
             return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -14,6 +14,7 @@ import ctypes
 
 import torch
 
+from specdecode.model import native_kernels
 from specdecode.model.native_kernels import amx_library, avx2_library, library
 from specdecode.model.native_layouts import AVX2_GROUP, CHUNK_BYTES, INT4_TILE_ROWS, INT8_TILE_ROWS, TILE_ROWS
 
@@ -87,7 +88,7 @@ def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 def f32_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 times w.T (fp32 [N, K], contiguous) + bias (fp32 [N]) -> [M, N] fp32, each element one
     accumulation chain in a fixed order (torch's fp32 matmul rounds a row differently by the row count)."""
-    lib = library()
+    lib = native_kernels.f32_library()
     assert lib is not None and w.dtype == torch.float32 and w.is_contiguous()
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()

@@ -3,11 +3,11 @@ decoder ops: RMSNorm, rope with the KV-cache write and SiLU·up for bf16 forward
 each query over the slots it sees, at any length).
 
 Three libraries: cpu_kernels.c (AVX512-BF16 and VNNI: the GEMMs of every format and of fp32, the decoder ops and
-the native layer stack), cpu_kernels_amx.c (the bf16 GEMM on AMX tiles) and cpu_kernels_avx2.c (the bf16 and
-weight-only int8 GEMMs and the attention for CPUs without AVX512-BF16). They need a C compiler with OpenMP;
-each checks the CPU's features before any kernel runs, and where it does not build or the CPU lacks them (or with
-SPECDECODE_NATIVE_KERNELS=0) its check (`available()`, `amx_available()`, `avx2_available()`) is False and the
-model keeps torch's kernels. The GEMMs' Python side is `native_gemm`, the weight layouts they read
+the native layer stack), cpu_kernels_amx.c (the bf16 GEMM on AMX tiles) and cpu_kernels_avx2.c (the bf16,
+weight-only int8 and fp32 GEMMs and the attention for CPUs without AVX512-BF16). They need a C compiler with
+OpenMP; each checks the CPU's features before any kernel runs, and where it does not build or the CPU lacks
+them (or with SPECDECODE_NATIVE_KERNELS=0) its check (`available()`, `amx_available()`, `avx2_available()`) is
+False and the model keeps torch's kernels. The GEMMs' Python side is `native_gemm`, the weight layouts they read
 `native_layouts`.
 
 Each decoder op replaces a handful of small torch ops with one call doing the same arithmetic in fp32: in a
@@ -100,6 +100,15 @@ def _attention_types(lib: ctypes.CDLL) -> None:
     lib.attend_f32.restype = None
 
 
+def f32_library() -> ctypes.CDLL | None:
+    """The library whose `f32_gemm` runs here: the AVX512 one, else the AVX2 one (same contract)."""
+    lib = library()
+    if lib is not None:
+        return lib
+    lib = avx2_library()
+    return lib if lib is not None and hasattr(lib, "f32_gemm") else None
+
+
 def attention_library() -> ctypes.CDLL | None:
     """The library whose `attend_*` kernels run here: the AVX512 one, else the AVX2 one (same contract)."""
     lib = library()
@@ -119,6 +128,9 @@ def load_avx2_library(source: Path = SOURCE_AVX2, name: str = "cpu-kernels-avx2"
         lib.bf16_gemm.restype = None
     if lib is not None and hasattr(lib, "attend_bf16"):
         _attention_types(lib)
+    if lib is not None and hasattr(lib, "f32_gemm"):
+        lib.f32_gemm.argtypes = [_P, _L, _L, _P, _P, _L, _P, _I]
+        lib.f32_gemm.restype = None
     if lib is not None and hasattr(lib, "int8_gemm"):
         lib.int8_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _L, _P, _I, _I]
         lib.int8_gemm.restype = None

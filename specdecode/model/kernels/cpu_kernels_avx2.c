@@ -19,6 +19,9 @@
 // output channel applied to the finished sum: half the bytes of bf16 for a draft's or an opted-in target's
 // single-token reads.
 //
+// The fp32 GEMM (`f32_gemm`) reads the fp32 model's own [N, K] weights: each output a dot product over k in 8 lanes
+// summed in a fixed order, whatever the blocking of rows and channels around it.
+//
 // Attention (`attend_bf16`, `attend_f32`) is cpu_kernels.c's in 8-wide vectors: each query over the slots it sees,
 // gathered in slot order, so that a token's result does not depend on the forward it is in.
 
@@ -183,7 +186,7 @@ TARGET void int8_gemm(const void* x, int x_is_f32, int64_t M, int64_t K, const i
     gemm(W_INT8, x, x_is_f32, M, K, qp, scale, NULL, N, y, y_is_f32, threads);
 }
 
-// ---- attention ------------------------------------------------------------------------------------------------
+// ---- fp32 ----------------------------------------------------------------------------------------------------
 
 TARGET static inline __attribute__((always_inline)) float hsum8(__m256 v) {  // fixed order: halves, pairs, lanes
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -191,6 +194,55 @@ TARGET static inline __attribute__((always_inline)) float hsum8(__m256 v) {  // 
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+// Rows [0, MB) of x against NR weight rows: out[i * NR + r] = x[i] . w[r], lanes k mod 8, the tail masked.
+TARGET static inline __attribute__((always_inline)) void f32_pass(const int NR, const int MB, const float* x,
+                                                                    int64_t K, const float* const* rows, float* out) {
+    __m256 acc[8][2];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MB; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        const int64_t left = K - k;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 xv[2];
+        for (int i = 0; i < MB; i++) xv[i] = _mm256_maskload_ps(x + i * K + k, mask);
+        for (int r = 0; r < NR; r++) {
+            const __m256 wv = _mm256_maskload_ps(rows[r] + k, mask);
+            for (int i = 0; i < MB; i++) acc[r][i] = _mm256_fmadd_ps(wv, xv[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MB; i++) out[i * NR + r] = hsum8(acc[r][i]);
+}
+
+// y = x w^T + bias, all fp32: x [M, K], w [N, K], bias [N] or NULL, y [M, N]. One row: 8 channels per pass (reads
+// the weights once); more: 4 channels by 2 rows.
+TARGET void f32_gemm(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N, float* y,
+                     int threads) {
+    const int nr = M == 1 ? 8 : 4;
+    const int64_t blocks = (N + nr - 1) / nr;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * nr;
+        const float* rows[8];
+        for (int r = 0; r < nr; r++) rows[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;  // a tail repeats the last
+        float out[16];
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            const int mb = M - m0 < 2 ? 1 : 2;
+            if (nr == 8)
+                f32_pass(8, 1, x + m0 * K, K, rows, out);
+            else if (mb == 1)
+                f32_pass(4, 1, x + m0 * K, K, rows, out);
+            else
+                f32_pass(4, 2, x + m0 * K, K, rows, out);
+            for (int r = 0; r < nr && n0 + r < N; r++)
+                for (int i = 0; i < mb; i++) y[(m0 + i) * N + n0 + r] = out[i * nr + r] + (bias ? bias[n0 + r] : 0.0f);
+        }
+    }
+}
+
+// ---- attention ------------------------------------------------------------------------------------------------
 
 // exp(x) for x <= 0, as cpu_kernels.c's exp_nonpositive: 2^n * e^r, |r| <= ln2 / 2, degree-6 polynomial;
 // below -87.3 (and -inf, a masked score) gives 0.
