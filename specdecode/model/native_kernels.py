@@ -75,9 +75,20 @@ def _avx512_library() -> ctypes.CDLL | None:
     lib.f32_gemm.restype = None
     lib.int8_dynamic_gemm.argtypes = [_P, _I, _L, _L, _P, _P, _P, _P, ctypes.c_float, _L, _P, _I, _I]
     lib.int8_dynamic_gemm.restype = None
+    _attention_types(lib)
+    _glue_types(lib)
+    return lib
+
+
+def available() -> bool:
+    """The AVX512 library builds and runs here."""
+    return library() is not None
+
+
+def _glue_types(lib: ctypes.CDLL) -> None:
+    """The decoder ops and the layer stack (both libraries have them)."""
     lib.rms_norm_bf16.argtypes = [_P, _P, ctypes.c_float, _L, _L, _P]
     lib.rms_norm_bf16.restype = None
-    _attention_types(lib)
     lib.rope_qkv_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _P, _L, _L]
     lib.rope_qkv_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [_P, _L, _L, _P]
@@ -85,12 +96,6 @@ def _avx512_library() -> ctypes.CDLL | None:
     lib.decode_layers.argtypes = [_P, _L, _L, _L, _P, _L, ctypes.c_float, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L,
                                   _L, _L, _P, ctypes.c_float, _I]
     lib.decode_layers.restype = None
-    return lib
-
-
-def available() -> bool:
-    """The AVX512 library builds and runs here."""
-    return library() is not None
 
 
 def _attention_types(lib: ctypes.CDLL) -> None:
@@ -109,13 +114,17 @@ def f32_library() -> ctypes.CDLL | None:
     return lib if lib is not None and hasattr(lib, "f32_gemm") else None
 
 
-def attention_library() -> ctypes.CDLL | None:
-    """The library whose `attend_*` kernels run here: the AVX512 one, else the AVX2 one (same contract)."""
+def glue_library() -> ctypes.CDLL | None:
+    """The library whose attention, decoder ops and layer stack run here: the AVX512 one, else the AVX2 one (the
+    same contracts; its stack takes only GEMM-function linears: `native_stack`)."""
     lib = library()
     if lib is not None:
         return lib
     lib = avx2_library()
-    return lib if lib is not None and hasattr(lib, "attend_bf16") else None
+    return lib if lib is not None and hasattr(lib, "decode_layers") else None
+
+
+attention_library = glue_library
 
 
 def load_avx2_library(source: Path = SOURCE_AVX2, name: str = "cpu-kernels-avx2") -> ctypes.CDLL | None:
@@ -128,6 +137,8 @@ def load_avx2_library(source: Path = SOURCE_AVX2, name: str = "cpu-kernels-avx2"
         lib.bf16_gemm.restype = None
     if lib is not None and hasattr(lib, "attend_bf16"):
         _attention_types(lib)
+    if lib is not None and hasattr(lib, "decode_layers"):
+        _glue_types(lib)
     if lib is not None and hasattr(lib, "f32_gemm"):
         lib.f32_gemm.argtypes = [_P, _L, _L, _P, _P, _L, _P, _I]
         lib.f32_gemm.restype = None
@@ -176,6 +187,13 @@ def amx_available() -> bool:
     return amx_library() is not None
 
 
+def avx2_bf16_gemm_address() -> int:
+    """Address of the AVX2 library's bf16 GEMM, for the native decoder stack's linear entries."""
+    lib = avx2_library()
+    assert lib is not None
+    return ctypes.cast(lib.bf16_gemm, ctypes.c_void_p).value or 0
+
+
 def amx_gemm_address() -> int:
     """Address of the AMX kernel's C function, for the native decoder stack's linear entries."""
     lib = amx_library()
@@ -194,7 +212,8 @@ def use_native(native: bool | None) -> bool:
 def glue_applies(x: torch.Tensor) -> bool:
     """Whether the RMSNorm / attention kernels take this bf16 CPU inference tensor (never under autograd:
     a head in training keeps torch's ops)."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and glue_library() is not None)
 
 
 def attend_applies(x: torch.Tensor, hd: int) -> bool:
@@ -207,7 +226,7 @@ def attend_applies(x: torch.Tensor, hd: int) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * bf16(x * rsqrt(mean(x^2) + eps)) over the last dim; x, weight bf16."""
-    lib = library()
+    lib = glue_library()
     assert lib is not None and weight.dtype == torch.bfloat16
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty_like(x2)
@@ -252,7 +271,7 @@ def rope_qkv(
 ) -> torch.Tensor:
     """Rope q and k as `transformer.apply_rope` does (same bits), store k and v at their slots: the roped
     queries [B, H, T, hd]. One call instead of ~20 small torch ops a layer."""
-    lib = library()
+    lib = glue_library()
     assert lib is not None
     b, t, width = qkv.shape
     kvh, hd = k_cache.shape[1], k_cache.shape[3]
@@ -268,7 +287,7 @@ def rope_qkv(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """F.silu(gate) * up in bf16 for gate_up [..., 2 * I] bf16 (gate first) -> [..., I]."""
-    lib = library()
+    lib = glue_library()
     assert lib is not None and gate_up.dtype == torch.bfloat16
     x = gate_up.contiguous()
     i = x.shape[-1] // 2

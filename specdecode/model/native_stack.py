@@ -50,6 +50,10 @@ def linear_entry(module: nn.Module) -> tuple[LinearEntry, int] | None:
     rows = 1 << 30
     if isinstance(module, Int4HybridLinear):  # its int4 half serves forwards of up to max_int4_rows rows
         module, rows = module.int4, module.max_int4_rows
+    if isinstance(module, BF16Linear) and module.avx2:  # below AVX512-BF16: the AVX2 library's bf16 GEMM
+        entry = LinearEntry(LIN_GEMM_FN, module.out_features, module.in_features, _ptr(module.packed_avx2),
+                            native_kernels.avx2_bf16_gemm_address(), None, _ptr(module.bias), 0.0)
+        return entry, rows
     if not getattr(module, "native", False):
         return None
     if isinstance(module, GGUFLinear):  # GGUF blocks: gguf_gemm adds the bias itself
@@ -97,6 +101,7 @@ def build(model: nn.Module) -> NativeStack | None:
     if not model.config.plain_layers:
         return None
     layers = list(model.model.layers)
+    only_gemm_fn = not native_kernels.available()  # the AVX2 library's stack calls GEMM functions only
     entries, modules, max_rows = [], [], 1 << 30
     eps = {float(layer.input_layernorm.eps) for layer in layers} | {float(layer.post_attention_layernorm.eps)
                                                                     for layer in layers}
@@ -111,7 +116,7 @@ def build(model: nn.Module) -> NativeStack | None:
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         described = [linear_entry(m) for m in linears]
-        if any(d is None for d in described):
+        if any(d is None for d in described) or (only_gemm_fn and any(e.kind != LIN_GEMM_FN for e, _ in described)):
             return None
         max_rows = min(max_rows, *(rows for _, rows in described))
         entries.append(LayerEntry(norms[0].data_ptr(), norms[1].data_ptr(), *(e for e, _ in described)))
@@ -144,8 +149,7 @@ def stack_for(model: nn.Module, x: torch.Tensor, cache: KVCache | None) -> Nativ
     a bf16 cache, and linears that all have a native path for B * T rows. The caller keeps T within the
     attention kernel's few queries."""
     b, t, _ = x.shape
-    if (cache is None or cache.k.dtype != torch.bfloat16 or not native_kernels.available()
-            or not native_kernels.attend_applies(x, model.config.head_dim)):
+    if cache is None or cache.k.dtype != torch.bfloat16 or not native_kernels.attend_applies(x, model.config.head_dim):
         return None
     if not cache_fits(cache):
         return None
@@ -174,7 +178,7 @@ def run(
     """x after every decoder layer (before the final norm), K/V written at the slots; and a copy of x as it
     enters each layer in `capture` (ascending; the layer count = after the last), one native call per stretch
     between them."""
-    lib = native_kernels.library()
+    lib = native_kernels.glue_library()
     assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16
     cfg = model.config
     b, t, d = x.shape

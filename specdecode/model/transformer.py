@@ -160,8 +160,7 @@ class Attention(nn.Module):
         # Our kernel, at every length: each query over the slots it sees in slot order (row-independent).
         native = (self.native_attend and cache is not None and native_kernels.attend_applies(x, self.hd)
                   and cache.k.dtype == x.dtype)
-        if (native and self.native_rope and self.qkv_proj is not None and x.dtype == torch.bfloat16
-                and native_kernels.available()):
+        if native and self.native_rope and self.qkv_proj is not None and x.dtype == torch.bfloat16:
             # rope, cache write and attention in two native calls
             k_layer, v_layer = cache.layer(self.layer_idx)
             q = native_kernels.rope_qkv(self.qkv_proj(x), cos, sin, slots.index, slots.end, k_layer, v_layer,

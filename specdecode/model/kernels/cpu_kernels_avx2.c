@@ -22,6 +22,10 @@
 // The fp32 GEMM (`f32_gemm`) reads the fp32 model's own [N, K] weights: each output a dot product over k in 8 lanes
 // summed in a fixed order, whatever the blocking of rows and channels around it.
 //
+// The decoder ops and the layer stack (`rms_norm_bf16`, `rope_qkv_bf16`, `silu_mul_bf16`, `decode_layers`) are
+// cpu_kernels.c's for these CPUs: the same roundings in the same order, 8-wide, with every linear of the stack a
+// GEMM function of this library or the GGUF one (`LIN_GEMM_FN`).
+//
 // Attention (`attend_bf16`, `attend_f32`) is cpu_kernels.c's in 8-wide vectors: each query over the slots it sees,
 // gathered in slot order, so that a token's result does not depend on the forward it is in.
 
@@ -350,4 +354,183 @@ TARGET void attend_f32(const float* q, const float* k, const float* v, const uin
                        int64_t KVH, int64_t T, int64_t S, int64_t hd, int64_t bs, int64_t hs, float scale,
                        float* out, int threads) {
     attend(1, q, k, v, mask, B, H, KVH, T, S, hd, bs, hs, scale, out, threads);
+}
+
+// ---- decoder ops ----------------------------------------------------------------------------------------------
+
+TARGET static inline __attribute__((always_inline)) __m256 load_bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+TARGET static inline __attribute__((always_inline)) __m256i bf16_bits8(__m256 v) {  // round to nearest even
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+}
+
+TARGET static inline __attribute__((always_inline)) __m256 round_bf16x8(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+
+TARGET static inline __attribute__((always_inline)) void store_bf16x8(uint16_t* p, __m256 v) {
+    const __m256i b = bf16_bits8(v);
+    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+// y = weight * bf16(x * rsqrt(mean(x^2) + eps)) per row, bf16 [M, D] (D a multiple of 8 is fast, any D works).
+TARGET void rms_norm_bf16(const uint16_t* x, const uint16_t* w, float eps, int64_t M, int64_t D, uint16_t* y) {
+    const int64_t D8 = D - D % 8;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t* xm = x + m * D;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < D8; k += 8) {
+            const __m256 v = load_bf16x8(xm + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (int64_t k = D8; k < D; k++) ss += bf16_to_f32(xm[k]) * bf16_to_f32(xm[k]);
+        const float r = 1.0f / sqrtf(ss / (float)D + eps);
+        const __m256 rv = _mm256_set1_ps(r);
+        for (int64_t k = 0; k < D8; k += 8) {
+            const __m256 normed = round_bf16x8(_mm256_mul_ps(load_bf16x8(xm + k), rv));
+            store_bf16x8(y + m * D + k, _mm256_mul_ps(normed, load_bf16x8(w + k)));
+        }
+        for (int64_t k = D8; k < D; k++)
+            y[m * D + k] = f32_to_bf16(bf16_to_f32(f32_to_bf16(bf16_to_f32(xm[k]) * r)) * bf16_to_f32(w[k]));
+    }
+}
+
+// Rotary embedding with the cache write, as cpu_kernels.c's (plain C: its cost is small beside the linears).
+static inline void rope_row(const uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t hd, uint16_t* y) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < hd; i++) {
+        const float xr = bf16_to_f32(x[i < half ? i + half : i - half]);
+        const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])));
+        const float b = bf16_to_f32(f32_to_bf16(xr * bf16_to_f32(s[i])));
+        y[i] = f32_to_bf16(a + b);
+    }
+}
+
+void rope_qkv_bf16(const uint16_t* qkv, const uint16_t* cos, const uint16_t* sin, const int64_t* slots, int64_t B,
+                   int64_t T, int64_t H, int64_t KVH, int64_t hd, uint16_t* q_out, uint16_t* kc, uint16_t* vc,
+                   int64_t sb, int64_t sh) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t bt = b * T + t;
+            const uint16_t* row = qkv + bt * (H + 2 * KVH) * hd;
+            const uint16_t *c = cos + bt * hd, *s = sin + bt * hd;
+            for (int64_t h = 0; h < H; h++) rope_row(row + h * hd, c, s, hd, q_out + ((b * H + h) * T + t) * hd);
+            for (int64_t g = 0; g < KVH; g++) {
+                const int64_t at = b * sb + g * sh + slots[bt] * hd;
+                rope_row(row + (H + g) * hd, c, s, hd, kc + at);
+                memcpy(vc + at, row + (H + KVH + g) * hd, (size_t)hd * sizeof(uint16_t));
+            }
+        }
+}
+
+// exp(x) over the whole float range, as cpu_kernels.c's exp16: 2^n * e^r, degree-7 polynomial; 2^n built from
+// its exponent bits (n clamped to [-126, 128]: 128 gives inf, as expf overflows).
+TARGET static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(89.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// y = bf16(bf16(silu(gate)) * up) for gate_up [M, 2 * I] (gate first), silu in fp32 as x / (1 + exp(-x)).
+TARGET void silu_mul_bf16(const uint16_t* gate_up, int64_t M, int64_t I, uint16_t* y) {
+    const int64_t I8 = I - I % 8;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *g = gate_up + m * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I8; i += 8) {
+            const __m256 gv = load_bf16x8(g + i);
+            const __m256 act = round_bf16x8(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
+            store_bf16x8(y + m * I + i, _mm256_mul_ps(act, load_bf16x8(u + i)));
+        }
+        for (int64_t i = I8; i < I; i++) {
+            const float gf = bf16_to_f32(g[i]);
+            const float act = bf16_to_f32(f32_to_bf16(gf / (1.0f + expf(-gf))));
+            y[m * I + i] = f32_to_bf16(act * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+// ---- the decoder layers of a few-row forward in one call (cpu_kernels.c's `decode_layers`) ------------------
+
+enum { LIN_GEMM_FN = 4 };
+
+typedef void (*gemm_fn)(const void* x, int x_is_f32, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias,
+                        int64_t N, void* y, int y_is_f32, int threads);
+
+typedef struct {  // cpu_kernels.c's linear_t; here every linear is a GEMM function (the GGUF or the bf16 one)
+    int64_t kind, n, k;
+    const void* w;
+    const void* a;  // the gemm_fn
+    const void* b;
+    const void* bias;
+    double qmax;
+} linear_t;
+
+typedef struct {
+    const uint16_t* norm1;
+    const uint16_t* norm2;
+    linear_t qkv, o, gate_up, down;
+} layer_t;
+
+static void add_bf16(uint16_t* x, const uint16_t* y, int64_t n, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++)
+            x[r * n + i] = f32_to_bf16(bf16_to_f32(x[r * n + i]) + bf16_to_f32(y[r * n + i]));
+}
+
+static void linear_run(const linear_t* l, const uint16_t* x, int64_t M, uint16_t* y, int threads) {
+    ((gemm_fn)l->a)(x, 0, M, l->k, (const uint16_t*)l->w, (const uint16_t*)l->bias, l->n, y, 0, threads);
+}
+
+int stack_kinds(void) { return 1 << LIN_GEMM_FN; }  // the linear kinds this library's decode_layers runs
+
+TARGET void decode_layers(uint16_t* x, int64_t B, int64_t T, int64_t D, const layer_t* layers, int64_t L, float eps,
+                          const uint16_t* cos, const uint16_t* sin, const int64_t* slots, int64_t H, int64_t KVH,
+                          int64_t hd, int64_t I, uint16_t* k_cache, uint16_t* v_cache, int64_t layer_stride,
+                          int64_t sb, int64_t sh, int64_t S, const uint8_t* mask, float scale, int threads) {
+    const int64_t M = B * T, qkv_width = (H + 2 * KVH) * hd;
+    uint16_t* h = (uint16_t*)malloc((size_t)(M * D) * sizeof(uint16_t));
+    uint16_t* qkv = (uint16_t*)malloc((size_t)(M * qkv_width) * sizeof(uint16_t));
+    uint16_t* q = (uint16_t*)malloc((size_t)(M * H * hd) * sizeof(uint16_t));
+    uint16_t* att = (uint16_t*)malloc((size_t)(M * H * hd) * sizeof(uint16_t));
+    uint16_t* gu = (uint16_t*)malloc((size_t)(M * 2 * I) * sizeof(uint16_t));
+    uint16_t* act = (uint16_t*)malloc((size_t)(M * I) * sizeof(uint16_t));
+    for (int64_t l = 0; l < L; l++) {
+        const layer_t* ly = layers + l;
+        uint16_t *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
+        rms_norm_bf16(x, ly->norm1, eps, M, D, h);
+        linear_run(&ly->qkv, h, M, qkv, threads);
+        rope_qkv_bf16(qkv, cos, sin, slots, B, T, H, KVH, hd, q, kc, vc, sb, sh);
+        attend_bf16(q, kc, vc, mask, B, H, KVH, T, S, hd, sb, sh, scale, att, threads);
+        linear_run(&ly->o, att, M, h, threads);
+        add_bf16(x, h, D, M);
+        rms_norm_bf16(x, ly->norm2, eps, M, D, h);
+        linear_run(&ly->gate_up, h, M, gu, threads);
+        silu_mul_bf16(gu, M, I, act);
+        linear_run(&ly->down, act, M, h, threads);
+        add_bf16(x, h, D, M);
+    }
+    free(act);
+    free(gu);
+    free(att);
+    free(q);
+    free(qkv);
+    free(h);
 }
