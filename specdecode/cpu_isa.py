@@ -4,7 +4,7 @@ Five classes, each a superset of the one before; the kernels choose by them:
 
 | class | CPUs | GGUF blocks | bf16 linears, fp32, attention and the native stack |
 |---|---|---|---|
-| `avx2` | Haswell+, Zen 1-3, laptops | AVX2 (and AVX-VNNI if present) | AVX2 GEMMs and attention; torch: the rest |
+| `avx2` | Haswell+, Zen 1-3, laptops | AVX2 (and AVX-VNNI if present) | AVX2 library: GEMMs, decoder ops, stack |
 | `avx512` | Skylake-SP | AVX2 | as `avx2` |
 | `avx512vnni` | Cascade Lake, Ice Lake | AVX512-VNNI | as `avx2` |
 | `avx512bf16` | Cooper Lake, Zen 4, Zen 5 | AVX512-VNNI | AVX512-BF16 library: every GEMM and decoder op |

@@ -1,14 +1,14 @@
-"""The C kernel libraries of kernels/, built on first use and loaded through ctypes, and the AVX512 library's
-decoder ops: RMSNorm, rope with the KV-cache write and SiLU·up for bf16 forwards, and attention (bf16 or fp32,
-each query over the slots it sees, at any length).
+"""The C kernel libraries of kernels/, built on first use and loaded through ctypes, and the decoder ops they
+share: RMSNorm, rope with the KV-cache write and SiLU·up for bf16 forwards, and attention (bf16 or fp32, each
+query over the slots it sees, at any length).
 
 Three libraries: cpu_kernels.c (AVX512-BF16 and VNNI: the GEMMs of every format and of fp32, the decoder ops and
-the native layer stack), cpu_kernels_amx.c (the bf16 GEMM on AMX tiles) and cpu_kernels_avx2.c (the bf16,
-weight-only int8 and fp32 GEMMs and the attention for CPUs without AVX512-BF16). They need a C compiler with
-OpenMP; each checks the CPU's features before any kernel runs, and where it does not build or the CPU lacks
-them (or with SPECDECODE_NATIVE_KERNELS=0) its check (`available()`, `amx_available()`, `avx2_available()`) is
-False and the model keeps torch's kernels. The GEMMs' Python side is `native_gemm`, the weight layouts they read
-`native_layouts`.
+the native layer stack), cpu_kernels_amx.c (the bf16 GEMM on AMX tiles) and cpu_kernels_avx2.c (for CPUs without
+AVX512-BF16: the bf16, weight-only int8 and fp32 GEMMs, the attention, the decoder ops and the stack). They need a
+C compiler with OpenMP; each checks the CPU's features before any kernel runs, and where it does not build or the
+CPU lacks them (or with SPECDECODE_NATIVE_KERNELS=0) its check (`available()`, `amx_available()`,
+`avx2_available()`) is False and the model keeps torch's kernels. The GEMMs' Python side is `native_gemm`, the
+weight layouts they read `native_layouts`.
 
 Each decoder op replaces a handful of small torch ops with one call doing the same arithmetic in fp32: in a
 forward of a few tokens the Python and torch glue between those ops, not their arithmetic, is what costs.
