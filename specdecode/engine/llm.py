@@ -33,6 +33,7 @@ from specdecode.heads.persist import load_head
 from specdecode.heads.shipped import shipped_head
 from specdecode.log import timed_step
 from specdecode.model.fast_linear import convert_linears, draft_linear_format, target_linear_format
+from specdecode.model.format_choice import fastest_format
 from specdecode.model.gguf_model import dense_output_rows
 from specdecode.model.load import (
     LoadedModel,
@@ -150,8 +151,11 @@ class LLM:
                 self.head = load_head(str(head_dir), self.target.model, kind=spec.method)
             if isinstance(self.head, EagleHead) and self.head.config.feature_layers:  # EAGLE-3 style head
                 self.target.model.capture_layers = tuple(self.head.config.feature_layers)
-            drafter = (str(head_dir), Path(head_dir), draft_linear_format(spec.quantization, self.dtype, self.device))
-            convert_linears(self.head, drafter[2])
+            head_format = draft_linear_format(spec.quantization, self.dtype, self.device)
+            if spec.quantization == "auto" and head_format == "int8":  # below AVX512-BF16: timed, int8 or bf16
+                head_format = fastest_format(self.head, ("int8", "bf16"))
+            drafter = (str(head_dir), Path(head_dir), head_format)
+            convert_linears(self.head, head_format)
         target_format = target_linear_format(quantization, self.dtype, self.device)
         convert_linears(self.target.model, target_format)
         if batch_invariant:

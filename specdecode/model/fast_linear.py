@@ -71,6 +71,11 @@ def convert_linears(model: nn.Module, fmt: LinearFormat, native: bool | None = N
     return model
 
 
+def make_linear(linear: nn.Linear, fmt: LinearFormat) -> nn.Module:
+    """One linear in the given format (as `convert_linears` makes them)."""
+    return _CONSTRUCTORS[fmt](linear)
+
+
 def _own_remaining_parameters(model: nn.Module) -> None:
     """Copy the parameters a quantizing conversion left in place (embeddings, norms) out of the weights file's
     memory map (the formats copy their own biases): while one loaded tensor lives, the whole file stays

@@ -1,0 +1,48 @@
+"""Which linear format a small drafter (an EAGLE or Medusa head) runs fastest in on this machine, measured at load.
+
+Below AVX512-BF16 a head's one-token forwards can take weight-only int8 (half the bytes, more arithmetic per
+weight) or bf16 (the AVX2 GEMM); which wins depends on the machine's memory bandwidth against its FMA rate, so
+the choice is timed rather than assumed: each of the head's linears, one row, both formats, alternated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from specdecode.model.fast_linear import LinearFormat, make_linear
+
+ROUNDS = 5
+
+
+def one_row_seconds(modules: Iterable[nn.Module], widths: list[int], rounds: int = ROUNDS,
+                    clock: Callable[[], float] = time.perf_counter) -> float:
+    """Best-of-rounds seconds of one [1, K] forward through every module (K from `widths`)."""
+    modules = list(modules)
+    xs = [torch.randn(1, k).to(torch.bfloat16) for k in widths]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds):
+            start = clock()
+            for module, x in zip(modules, xs, strict=True):
+                module(x)
+            best = min(best, clock() - start)
+    return best
+
+
+def fastest_format(model: nn.Module, candidates: tuple[LinearFormat, ...]) -> LinearFormat:
+    """The candidate format whose one-row forwards through the model's nn.Linear layers take least time here
+    (the model is not changed; each format converts copies of its linears)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if len(candidates) < 2 or not linears:
+        return candidates[0]
+    widths = [lin.in_features for lin in linears]
+    converted = {fmt: [make_linear(lin, fmt) for lin in linears] for fmt in candidates}
+    times = dict.fromkeys(candidates, float("inf"))
+    for _ in range(2):  # alternated: noise from other processes hits both alike
+        for fmt in candidates:
+            times[fmt] = min(times[fmt], one_row_seconds(converted[fmt], widths))
+    return min(candidates, key=times.__getitem__)

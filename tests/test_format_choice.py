@@ -1,0 +1,42 @@
+"""The head format chosen by timing at load below AVX512-BF16 (specdecode/model/format_choice.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specdecode.model import format_choice, native_kernels
+from specdecode.model.bf16_linear import BF16Linear
+from specdecode.model.int8_linear import Int8WeightLinear
+
+
+def small_head() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64, bias=False)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("int8_seconds", "expected"), [(1.0, "bf16"), (0.1, "int8")])
+def test_the_faster_format_wins(monkeypatch: pytest.MonkeyPatch, int8_seconds: float, expected: str) -> None:
+    def fake(modules, widths, rounds=format_choice.ROUNDS, clock=None):  # noqa: ANN001, ANN202
+        modules = list(modules)
+        assert len(modules) == len(widths) == 2
+        return int8_seconds if isinstance(modules[0], Int8WeightLinear) else 0.5
+
+    monkeypatch.setattr(format_choice, "one_row_seconds", fake)
+    assert format_choice.fastest_format(small_head(), ("int8", "bf16")) == expected
+
+
+def test_a_real_timing_leaves_the_model_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDECODE_ISA", "avx2")
+    if not native_kernels.avx2_int8_available():
+        pytest.skip("no AVX2 kernels here")
+    head = small_head()
+    before = [p.clone() for p in head.parameters()]
+    assert format_choice.fastest_format(head, ("int8", "bf16")) in ("int8", "bf16")
+    assert all(isinstance(m, nn.Linear) and not isinstance(m, BF16Linear) for m in head)
+    assert all(torch.equal(a, b) for a, b in zip(before, head.parameters(), strict=True))
+
+
+def test_one_candidate_is_taken_without_timing() -> None:
+    assert format_choice.fastest_format(small_head(), ("int4-hybrid",)) == "int4-hybrid"
