@@ -23,7 +23,7 @@ def test_the_faster_format_wins(monkeypatch: pytest.MonkeyPatch, int8_seconds: f
         assert len(modules) == len(widths) == 2
         return int8_seconds if isinstance(modules[0], Int8WeightLinear) else 0.5
 
-    monkeypatch.setattr(format_choice, "one_row_seconds", fake)
+    monkeypatch.setattr(format_choice, "forward_seconds", fake)
     assert format_choice.fastest_format(small_head(), ("int8", "bf16")) == expected
 
 

@@ -2,7 +2,8 @@
 
 Below AVX512-BF16 a head's one-token forwards can take weight-only int8 (half the bytes, more arithmetic per
 weight) or bf16 (the AVX2 GEMM); which wins depends on the machine's memory bandwidth against its FMA rate, so
-the choice is timed rather than assumed: each of the head's linears, one row, both formats, alternated.
+the choice is timed rather than assumed: each of the head's linears at one row and at a tree level's rows, both
+formats, alternated.
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ from specdecode.model.fast_linear import LinearFormat, make_linear
 ROUNDS = 5
 
 
-def one_row_seconds(modules: Iterable[nn.Module], widths: list[int], rounds: int = ROUNDS,
+ROWS = (1, 8)
+"""Rows per timed forward: a chain's draft step, and a tree level's (a head drafts trees a few nodes wide)."""
+
+
+def forward_seconds(modules: Iterable[nn.Module], widths: list[int], rounds: int = ROUNDS,
                     clock: Callable[[], float] = time.perf_counter) -> float:
-    """Best-of-rounds seconds of one [1, K] forward through every module (K from `widths`)."""
+    """Best-of-rounds seconds of a [rows, K] forward through every module (K from `widths`) for each of ROWS."""
     modules = list(modules)
-    xs = [torch.randn(1, k).to(torch.bfloat16) for k in widths]
+    xs = [torch.randn(rows, k).to(torch.bfloat16) for rows in ROWS for k in widths]
+    modules = modules * len(ROWS)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(rounds):
@@ -34,7 +40,7 @@ def one_row_seconds(modules: Iterable[nn.Module], widths: list[int], rounds: int
 
 
 def fastest_format(model: nn.Module, candidates: tuple[LinearFormat, ...]) -> LinearFormat:
-    """The candidate format whose one-row forwards through the model's nn.Linear layers take least time here
+    """The candidate format whose few-row forwards through the model's nn.Linear layers take least time here
     (the model is not changed; each format converts copies of its linears)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if len(candidates) < 2 or not linears:
@@ -44,5 +50,5 @@ def fastest_format(model: nn.Module, candidates: tuple[LinearFormat, ...]) -> Li
     times = dict.fromkeys(candidates, float("inf"))
     for _ in range(2):  # alternated: noise from other processes hits both alike
         for fmt in candidates:
-            times[fmt] = min(times[fmt], one_row_seconds(converted[fmt], widths))
+            times[fmt] = min(times[fmt], forward_seconds(converted[fmt], widths))
     return min(candidates, key=times.__getitem__)
