@@ -107,7 +107,8 @@ def draft_linear_format(quantization: str, dtype: torch.dtype, device: torch.dev
     """A draft never changes the output, so "auto" takes the fastest single-token path on this CPU
     (`benchmarks/kernels/decode_step.py` times each format):
     - AVX512-BF16 (our kernels): int4, with bf16 for its prefill;
-    - AVX2 only: weight-only int8 on our AVX2 kernel."""
+    - below AVX512-BF16: weight-only int8 on our AVX2 kernel (`LLM` times a head's linears against bf16 too:
+      `format_choice`)."""
     if quantization == "auto":
         if device.type != "cpu" or dtype != torch.bfloat16:
             return "none"
