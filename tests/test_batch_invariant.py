@@ -108,7 +108,7 @@ def test_a_request_has_the_same_bits_alone_or_in_a_batch(tiny_qwen_dir: Path, mo
     AVX512-BF16: the AVX2 GEMM and attention kernels."""
     if cls is not None:
         monkeypatch.setenv("SPECDECODE_ISA", cls)
-        if not native_kernels.avx2_available() or native_kernels.attention_library() is None:
+        if not native_kernels.avx2_available() or native_kernels.glue_library() is None:
             pytest.skip("no AVX2 kernels here")
     elif not native_kernels.available():
         pytest.skip("no AVX512-BF16 CPU or no C compiler")

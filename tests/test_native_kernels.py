@@ -269,7 +269,7 @@ ATTENTION_CLASSES = ["best", "avx2"]
 def _attention_class(monkeypatch: pytest.MonkeyPatch, cls: str) -> None:
     if cls != "best":
         monkeypatch.setenv("SPECDECODE_ISA", cls)
-    if native_kernels.attention_library() is None:
+    if native_kernels.glue_library() is None:
         pytest.skip(f"no attention kernel of class {cls} here")
 
 

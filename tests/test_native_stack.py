@@ -50,10 +50,8 @@ def forward_both(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
     return out[0], out[1], caches[0].k
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8-dynamic", "int8", "int4", "int4-hybrid"])
-def test_stack_gives_the_module_forwards_bits(fmt: str) -> None:
-    model = random_model()
-    convert_linears(model, fmt)  # type: ignore[arg-type]
+def assert_stack_bits_one_token_and_tree(model: Transformer) -> None:
+    """The stack's hidden states equal the module-by-module forward's for one token and for a tree."""
     assert native_stack.build(model) is not None
     # one token
     a, b, _ = forward_both(model, torch.tensor([[5]]), torch.tensor([[20]]), None, None, prefix=20)
@@ -71,6 +69,13 @@ def test_stack_gives_the_module_forwards_bits(fmt: str) -> None:
     a, b, _ = forward_both(model, torch.tensor([[5, 9, 11, 3, 4]]), 20 + depth, 20 + torch.arange(5)[None], mask,
                            prefix=20)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8-dynamic", "int8", "int4", "int4-hybrid"])
+def test_stack_gives_the_module_forwards_bits(fmt: str) -> None:
+    model = random_model()
+    convert_linears(model, fmt)  # type: ignore[arg-type]
+    assert_stack_bits_one_token_and_tree(model)
 
 
 def test_stack_takes_a_batch_and_chains() -> None:

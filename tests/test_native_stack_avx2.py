@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_native_stack import forward_both, random_model
+from test_native_stack import assert_stack_bits_one_token_and_tree, forward_both, random_model
 
 from specdecode.model import native_kernels, native_stack
 from specdecode.model.fast_linear import convert_linears
-
-TREE_PARENTS = [-1, 0, 0, 1, 2]
 
 
 @pytest.mark.parametrize("cls", ["avx2", "avx512vnni"])
@@ -20,20 +18,7 @@ def test_stack_gives_the_module_forwards_bits(monkeypatch: pytest.MonkeyPatch, c
         pytest.skip("no AVX2 library here")
     model = random_model()
     convert_linears(model, "bf16")  # the AVX2 bf16 GEMM
-    assert native_stack.build(model) is not None
-    a, b, _ = forward_both(model, torch.tensor([[5]]), torch.tensor([[20]]), None, None, prefix=20)
-    assert torch.equal(a, b)
-    mask = torch.zeros(1, 5, 26, dtype=torch.bool)
-    mask[0, :, :20] = True
-    for i, p in enumerate(TREE_PARENTS):
-        mask[0, i, 20 + i] = True
-        while p >= 0:
-            mask[0, i, 20 + p] = True
-            p = TREE_PARENTS[p]
-    depth = torch.tensor([[0, 1, 1, 2, 2]])
-    a, b, _ = forward_both(model, torch.tensor([[5, 9, 11, 3, 4]]), 20 + depth, 20 + torch.arange(5)[None], mask,
-                           prefix=20)
-    assert torch.equal(a, b)
+    assert_stack_bits_one_token_and_tree(model)
     tokens, positions = torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([[12, 13, 14], [12, 13, 14]])
     a, b, _ = forward_both(model, tokens, positions, None, None, prefix=12)
     assert torch.equal(a, b)

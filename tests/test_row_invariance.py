@@ -95,7 +95,7 @@ def model(request: pytest.FixtureRequest) -> Iterator[Transformer]:
         if "@" in name:
             name, cls = name.split("@")
             mp.setenv("SPECDECODE_ISA", cls)  # for the whole module's use of the model: forwards choose kernels
-            if native_kernels.attention_library() is None:
+            if native_kernels.glue_library() is None:
                 pytest.skip("no AVX2 attention kernel here")
         elif not native_kernels.available():
             pytest.skip("no AVX512-BF16 CPU or no C compiler: torch's kernels, not row-independent")

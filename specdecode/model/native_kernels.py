@@ -105,26 +105,24 @@ def _attention_types(lib: ctypes.CDLL) -> None:
     lib.attend_f32.restype = None
 
 
-def f32_library() -> ctypes.CDLL | None:
-    """The library whose `f32_gemm` runs here: the AVX512 one, else the AVX2 one (same contract)."""
+def _avx512_else_avx2(symbol: str) -> ctypes.CDLL | None:
+    """The AVX512 library where it runs, else the AVX2 one if it has `symbol` (the same contract)."""
     lib = library()
     if lib is not None:
         return lib
     lib = avx2_library()
-    return lib if lib is not None and hasattr(lib, "f32_gemm") else None
+    return lib if lib is not None and hasattr(lib, symbol) else None
+
+
+def f32_library() -> ctypes.CDLL | None:
+    """The library whose `f32_gemm` runs here."""
+    return _avx512_else_avx2("f32_gemm")
 
 
 def glue_library() -> ctypes.CDLL | None:
-    """The library whose attention, decoder ops and layer stack run here: the AVX512 one, else the AVX2 one (the
-    same contracts; its stack takes only GEMM-function linears: `native_stack`)."""
-    lib = library()
-    if lib is not None:
-        return lib
-    lib = avx2_library()
-    return lib if lib is not None and hasattr(lib, "decode_layers") else None
-
-
-attention_library = glue_library
+    """The library whose attention, decoder ops and layer stack run here (the AVX2 one's stack takes only
+    GEMM-function linears: `native_stack`)."""
+    return _avx512_else_avx2("decode_layers")
 
 
 def load_avx2_library(source: Path = SOURCE_AVX2, name: str = "cpu-kernels-avx2") -> ctypes.CDLL | None:
@@ -221,7 +219,7 @@ def attend_applies(x: torch.Tensor, hd: int) -> bool:
     CPU with our AVX512 or AVX2 kernels, and a head size hd the kernel's registers hold (a multiple of 16, at
     most 256)."""
     return (hd % 16 == 0 and hd <= 256 and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
-            and not torch.is_grad_enabled() and attention_library() is not None)
+            and not torch.is_grad_enabled() and glue_library() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -244,7 +242,7 @@ def attend(
 ) -> torch.Tensor:
     """Softmax attention, each query over the slots it sees in slot order, fp32 inside: [B, T, H * hd] in q's
     dtype (o_proj's input layout). q, keys and values all bf16 or all fp32."""
-    lib = attention_library()
+    lib = glue_library()
     assert lib is not None
     b, h, t, hd = q.shape
     kvh, s = keys.shape[1], keys.shape[2]

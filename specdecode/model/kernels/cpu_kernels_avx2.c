@@ -248,6 +248,12 @@ TARGET void f32_gemm(const float* x, int64_t M, int64_t K, const float* w, const
 
 // ---- attention ------------------------------------------------------------------------------------------------
 
+// p * 2^n for integral n in [-126, 128], from the exponent bits (128 gives inf): exact scaling.
+TARGET static inline __attribute__((always_inline)) __m256 times_pow2(__m256 p, __m256 n) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
 // exp(x) for x <= 0, as cpu_kernels.c's exp_nonpositive: 2^n * e^r, |r| <= ln2 / 2, degree-6 polynomial;
 // below -87.3 (and -inf, a masked score) gives 0.
 TARGET static inline __attribute__((always_inline)) __m256 exp_nonpositive8(__m256 x) {
@@ -265,9 +271,7 @@ TARGET static inline __attribute__((always_inline)) __m256 exp_nonpositive8(__m2
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    // 2^n for n in [-126, 0]: a normal float built from its exponent bits, so the product is exact scaling
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+    return _mm256_andnot_ps(tiny, times_pow2(p, n));  // n in [-126, 0]
 }
 
 TARGET static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t i, int f32) {
@@ -428,8 +432,8 @@ void rope_qkv_bf16(const uint16_t* qkv, const uint16_t* cos, const uint16_t* sin
         }
 }
 
-// exp(x) over the whole float range, as cpu_kernels.c's exp16: 2^n * e^r, degree-7 polynomial; 2^n built from
-// its exponent bits (n clamped to [-126, 128]: 128 gives inf, as expf overflows).
+// exp(x) over the whole float range, as cpu_kernels.c's exp16: 2^n * e^r, degree-7 polynomial (x clamped so
+// that n lies in [-126, 128]: 128 gives inf, as expf overflows).
 TARGET static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(89.0f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
@@ -444,8 +448,7 @@ TARGET static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return times_pow2(p, n);
 }
 
 // y = bf16(bf16(silu(gate)) * up) for gate_up [M, 2 * I] (gate first), silu in fp32 as x / (1 + exp(-x)).
@@ -468,8 +471,6 @@ TARGET void silu_mul_bf16(const uint16_t* gate_up, int64_t M, int64_t I, uint16_
 }
 
 // ---- the decoder layers of a few-row forward in one call (cpu_kernels.c's `decode_layers`) ------------------
-
-enum { LIN_GEMM_FN = 4 };
 
 typedef void (*gemm_fn)(const void* x, int x_is_f32, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias,
                         int64_t N, void* y, int y_is_f32, int threads);
@@ -498,8 +499,6 @@ static void add_bf16(uint16_t* x, const uint16_t* y, int64_t n, int64_t rows) {
 static void linear_run(const linear_t* l, const uint16_t* x, int64_t M, uint16_t* y, int threads) {
     ((gemm_fn)l->a)(x, 0, M, l->k, (const uint16_t*)l->w, (const uint16_t*)l->bias, l->n, y, 0, threads);
 }
-
-int stack_kinds(void) { return 1 << LIN_GEMM_FN; }  // the linear kinds this library's decode_layers runs
 
 TARGET void decode_layers(uint16_t* x, int64_t B, int64_t T, int64_t D, const layer_t* layers, int64_t L, float eps,
                           const uint16_t* cos, const uint16_t* sin, const int64_t* slots, int64_t H, int64_t KVH,
