@@ -8,8 +8,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Method = Literal["ngram", "draft", "eagle", "medusa"]
-METHODS: tuple[str, ...] = ("ngram", "draft", "eagle", "medusa")
+Method = Literal["ngram", "suffix", "draft", "eagle", "medusa"]
+METHODS: tuple[str, ...] = ("ngram", "suffix", "draft", "eagle", "medusa")
+SUFFIX_SCOPES: tuple[str, ...] = ("global", "key", "request")
+"""Whose earlier answers a request's lookups read: every request's of the server, its tenant's (its cache_salt),
+or none (only its own text)."""
 NEEDS_MODEL = {"draft": "the draft model to run"}
 """Methods that cannot run without "model" (a head method without one uses the head shipped for the target)."""
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4", "gguf")
@@ -29,7 +32,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: Method
-    """Which proposer drafts tokens: "ngram" (prompt lookup), "draft" (a small model), "eagle" (a head
+    """Which proposer drafts tokens: "ngram" (prompt lookup), "suffix" (a tree of what followed the suffix in the
+    request's own text and in earlier answers), "draft" (a small model), "eagle" (a head
     on the target's hidden states, drafting a dynamic tree) or "medusa" (K heads, a tree of their top tokens)."""
     num_speculative_tokens: int | Literal["auto"] = "auto"
     """Draft length k; "auto" picks k each step from live acceptance and measured cost."""
@@ -47,6 +51,11 @@ class SpeculativeConfig:
     ride along in the draft's forwards (a run the draft would have drafted anyway costs one forward). Trees
     (draft model, EAGLE, Medusa): the guess is grafted onto the tree as one more branch. Every drafter: a step
     verifies the guess alone (the drafter not run) when that promises more tokens per second than drafting."""
+    suffix_scope: str = "global"
+    """Whose earlier answers the suffix lookups read (SUFFIX_SCOPES): "global" (every request of this server or
+    `LLM`), "key" (requests with the same cache_salt), "request" (none: the request's own text only)."""
+    suffix_cache_tokens: int = 1 << 20
+    """Tokens of earlier answers kept for suffix lookups, over every scope (least recently added evicted)."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
     draft_tree_width: int | None = None
@@ -83,6 +92,10 @@ class SpeculativeConfig:
         if self.quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(f"draft quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if self.suffix_scope not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix_scope must be one of {', '.join(SUFFIX_SCOPES)}, got {self.suffix_scope!r}")
+        if not isinstance(self.suffix_cache_tokens, int) or self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix_cache_tokens must be an integer >= 0, got {self.suffix_cache_tokens!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "

@@ -23,6 +23,9 @@ from specdecode.engine.sequence import Sequence
 from specdecode.model.config import ModelConfig
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.draft_rows import DraftModelRows
+from specdecode.proposers.suffix import SuffixRows
+from specdecode.proposers.suffix_index import SuffixStore
+from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.sampling import SamplingParams
 from specdecode.verify import tree as tree_verify
 
@@ -79,9 +82,13 @@ def _transition_logits() -> torch.Tensor:
     return torch.cat(rows)
 
 
-def _sample(tree_width: int, k: int) -> np.ndarray:
-    proposer = DraftModelRows(DRAFT, 32, tree_width=tree_width, tree_branching=2)  # every row in one forward
-    engine = Engine(TARGET, 32, proposer, k_max=k, fixed_k=k, max_num_seqs=16, max_waiting=None)
+def _sample(tree_width: int, k: int, drafter: str = "draft") -> np.ndarray:
+    """`drafter`: "draft" (the random draft model), "draft+suffix" (with the suffix source's guesses grafted or
+    riding along) or "suffix" (trees of what earlier answers did after the suffix: point masses from data)."""
+    lookup = SuffixSource(1, SuffixStore("global")) if "suffix" in drafter else None
+    proposer = (SuffixRows(lookup) if drafter == "suffix" else  # every row in one forward
+                DraftModelRows(DRAFT, 32, tree_width=tree_width, tree_branching=2, prompt_lookup=lookup))
+    engine = Engine(TARGET, 32, proposer, k_max=k, fixed_k=k, max_num_seqs=16, max_waiting=None, lookup=lookup)
     seqs = [Sequence(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), _NoText(), VOCAB, torch.device("cpu"), 0)
             for i in range(NUM_REQUESTS)]
     for s in seqs:
@@ -99,14 +106,19 @@ def _exact() -> np.ndarray:
     return markov_joint(_transition_logits(), params, PROMPT[-1], NUM_EMITTED)
 
 
-@pytest.mark.parametrize(("tree_width", "k"), [(1, 2), (2, 2)], ids=["chain", "tree"])
-def test_engine_sampling_is_lossless(tree_width: int, k: int) -> None:
-    p = chi_square_pvalue(_sample(tree_width, k), _exact())
+CASES = [(1, 2, "draft"), (2, 2, "draft"), (1, 2, "draft+suffix"), (2, 2, "draft+suffix"), (0, 3, "suffix")]
+IDS = ["chain", "tree", "chain+suffix", "tree+suffix", "suffix"]
+
+
+@pytest.mark.parametrize(("tree_width", "k", "drafter"), CASES, ids=IDS)
+def test_engine_sampling_is_lossless(tree_width: int, k: int, drafter: str) -> None:
+    p = chi_square_pvalue(_sample(tree_width, k, drafter), _exact())
     assert p > P_THRESHOLD, p
 
 
-@pytest.mark.parametrize(("tree_width", "k"), [(1, 2), (2, 2)], ids=["chain", "tree"])
-def test_negative_control_without_the_residual_fails(tree_width: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("tree_width", "k", "drafter"), CASES, ids=IDS)
+def test_negative_control_without_the_residual_fails(tree_width: int, k: int, drafter: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tree_verify, "_reject_residual", lambda residual, mass, draft_row, token: residual)
-    p = chi_square_pvalue(_sample(tree_width, k), _exact())
+    p = chi_square_pvalue(_sample(tree_width, k, drafter), _exact())
     assert p < P_THRESHOLD, p

@@ -7,7 +7,7 @@ import pytest
 
 from specdecode.engine.adaptive import AcceptanceTracker
 from specdecode.engine.lookup_guess import RowGuess, best_guess_len, expected_tokens, guess_beats
-from specdecode.proposers import ngram_match
+from specdecode.proposers.suffix_source import SuffixSource
 
 
 def test_expected_tokens() -> None:
@@ -29,21 +29,22 @@ def test_guess_rate_pools_positions_up_to_the_first_rejection() -> None:
         rate.update(1, 2)
 
 
-def test_a_row_guess_matches_once_and_reads_each_length_as_ngram_match_would(
+def test_a_row_guess_reads_its_source_once_per_depth_and_is_the_most_frequent_continuation(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # [5, 6] occurs at 0 (-> 10, 11, 5, 6, 20) and at 4 (-> 20, 21, 5, 6): the newest with k tokens after it
-    # wins, so the 5-token guess cut to 2 tokens is not the 2-token guess.
-    tokens = [5, 6, 10, 11, 5, 6, 20, 21, 5, 6]
-    assert ngram_match.ngram_match(tokens, 2, 2, 5)[:2] != ngram_match.ngram_match(tokens, 2, 2, 2)
-    matched = []
-    match_suffix = ngram_match.match_suffix
-    monkeypatch.setattr("specdecode.engine.lookup_guess.match_suffix",
-                        lambda *args: matched.append(args) or match_suffix(*args))
-    guess = RowGuess(tokens, (1, 3))
-    assert [guess.tokens(k) for k in range(8)] == [ngram_match.ngram_match(tokens, 1, 3, k) for k in range(8)]
-    assert len(matched) == 1
+    # [5, 6] was followed by 10 11 once and by 20 21 twice: the most frequent continuation wins, and of its
+    # equally frequent next tokens (7 and 9) the newest.
+    tokens = [5, 6, 20, 21, 7, 5, 6, 10, 11, 8, 5, 6, 20, 21, 9, 5, 6]
+    read = []
+    trie = SuffixSource.trie
+    monkeypatch.setattr(SuffixSource, "trie", lambda self, *args: read.append(args) or trie(self, *args))
+    guess = RowGuess(tokens, SuffixSource(2))
+    assert guess.tokens(2) == [20, 21]
+    assert guess.tokens(1) == [20]
+    assert len(read) == 1  # a shorter guess reads the same trie
+    assert guess.tokens(4) == [20, 21, 9, 5]
+    assert len(read) == 2
     assert RowGuess(tokens, None).tokens(4) == []  # lookup off
-    assert RowGuess([1, 2, 3], (1, 3)).tokens(4) == []  # no earlier occurrence
+    assert RowGuess([1, 2, 3], SuffixSource(2)).tokens(4) == []  # no earlier occurrence
 
 
 def flat(t: int) -> float:

@@ -35,8 +35,8 @@ def _alone(engine: Engine, row: Running, k: int, node_budget: int) -> list[int]:
 
 
 def _lookup_oracle(guess: Callable[[list[int], int], list[int]]) -> Callable[..., SimpleNamespace]:
-    """A suffix match in place of prompt lookup's, whose continuation of k tokens is guess(token_ids, k)."""
-    return lambda token_ids, min_n, max_n: SimpleNamespace(continuation=lambda k: guess(token_ids, k))
+    """A suffix source's trie in place of the real one's, whose chain of k tokens is guess(token_ids, k)."""
+    return lambda self, token_ids, tenant, depth: SimpleNamespace(chain=lambda k: guess(list(token_ids), k))
 
 
 @pytest.mark.parametrize(("width", "branching", "depth"), TREES)
@@ -109,7 +109,7 @@ def test_tree_with_lookup_branch_equals_plain(plain_tiny, tiny_llama_dir: Path, 
         i = next(i for i, p in enumerate(prompts) if token_ids[: len(p)] == p)
         return ref[i][len(token_ids) - len(prompts[i]):][:k]
 
-    monkeypatch.setattr("specdecode.engine.lookup_guess.match_suffix", _lookup_oracle(oracle))
+    monkeypatch.setattr("specdecode.proposers.suffix_source.SuffixSource.trie", _lookup_oracle(oracle))
     for k in (4, "auto"):
         spec = {**_spec(str(tiny_llama_other_dir), 2, 2, 4), "num_speculative_tokens": k}
         llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config=spec)
@@ -231,7 +231,7 @@ def test_rejected_guesses_lower_the_rows_guess_rate_until_it_stops_guessing(
         i = next(i for i, p in enumerate(prompts) if token_ids[: len(p)] == p)
         return [(t + 1) % vocab for t in ref[i][len(token_ids) - len(prompts[i]):][:k]]
 
-    monkeypatch.setattr("specdecode.engine.lookup_guess.match_suffix", _lookup_oracle(wrong))
+    monkeypatch.setattr("specdecode.proposers.suffix_source.SuffixSource.trie", _lookup_oracle(wrong))
     llm = LLM(str(tiny_llama_dir), dtype="fp32",
               speculative_config={"method": "draft", "model": str(tiny_llama_other_dir)})
     engine = llm.batch_engine(max_num_seqs=1)

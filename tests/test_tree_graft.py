@@ -6,6 +6,7 @@ import torch
 
 from specdecode.engine.lookup_guess import RowGuess, with_lookup_branch
 from specdecode.proposers.base import Draft
+from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.proposers.tree_growth import graft_chain
 from specdecode.tree import build_tree
 
@@ -34,10 +35,10 @@ def test_graft_stops_at_the_node_limit() -> None:
 def test_with_lookup_branch() -> None:
     tree = Draft(list(TOKENS), None, list(PARENTS))
     history = [1, 2, 3, 40, 41, 42, 1, 2, 3]  # the suffix 1 2 3 was followed by 40 41 42
-    guess = RowGuess(history, (2, 3))
+    guess = RowGuess(history, SuffixSource(2))
     out = with_lookup_branch(tree, guess, 2)
     assert (out.tokens, out.parents, out.probs) == ([10, 11, 12, 13, 40, 41], [0, 0, 1, 2, 0, 5], None)
     assert with_lookup_branch(tree, RowGuess(history, None), 2) is tree  # lookup off
-    assert with_lookup_branch(tree, RowGuess([7, 8, 9], (2, 3)), 2) is tree  # no guess
+    assert with_lookup_branch(tree, RowGuess([7, 8, 9], SuffixSource(2)), 2) is tree  # no guess
     chain = Draft([10, 12], torch.rand(2, 50))
     assert with_lookup_branch(chain, guess, 2) is chain  # chains stay chains

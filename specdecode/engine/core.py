@@ -38,6 +38,7 @@ from specdecode.model.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import BatchProposer, Draft, ProposeRow
 from specdecode.proposers.ngram_match import cap_draft_len
+from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.tree import MAX_TREE_NODES
 
 
@@ -50,7 +51,7 @@ class Engine:
 
     def __init__(self, target: Transformer, max_len: int, proposer: BatchProposer | None = None, k_max: int = 0,
                  fixed_k: int | None = None, cost: CostModel | None = None, max_num_seqs: int = 8,
-                 max_waiting: int | None = 64, lookup: tuple[int, int] | None = None,
+                 max_waiting: int | None = 64, lookup: SuffixSource | None = None,
                  allocate: bool = True, prefix_cache: PrefixCache | None = None,
                  max_num_batched_tokens: int | None = None, history: RequestHistory | None = None) -> None:
         self.target = target
@@ -63,10 +64,10 @@ class Engine:
         self.k_max = k_max if proposer is not None else 0
         self.fixed_k = fixed_k
         self.lookup = lookup
-        """(min_n, max_n) of prompt-lookup guesses: a row whose guess promises more tokens per second than its
+        """Where lookup guesses come from (None: off): a row whose guess promises more tokens per second than its
         drafter proposes the guess alone; every other tree draft gets the guess as one more branch, verified in
         the same target forward (copied text is accepted through the guess, the rest through the drafter;
-        engine/lookup_guess.py)."""
+        engine/lookup_guess.py). Every finished answer is kept in its store for later requests."""
         self.proposer: BatchProposer | None = None
         self._cost: CostModel | None = None
         self.row_cost: CostModel | None = None
@@ -281,8 +282,11 @@ class Engine:
             self.cache.move_row(last + 1, last)
 
     def _remember(self, row: int) -> None:
-        """Pool the committed blocks of a running row (its K/V, and features where its proposer reads them)."""
+        """Pool the committed blocks of a running row (its K/V, and features where its proposer reads them), and
+        keep its answer for later lookups."""
         r = self.running[row]
+        if self.lookup is not None and r.seq.finish_reason not in (None, "abort", "error"):
+            self.lookup.remember(r.seq.cache_salt, r.seq.token_ids, r.seq.prompt_len)
         if self.prefix_cache is not None and self.cache is not None and (
                 r.features is not None or not self._reads_features(r)):
             self.prefix_cache.remember(self.cache, row, r.seq.token_ids, r.features, r.seq.cache_salt)
@@ -338,11 +342,12 @@ class Engine:
         dip = max(self._recent_rows, default=0) > len(self.running)  # a transient dip below the recent load
         budget = node_budget(self._cost, self.k_max, len(self.running))
         preferred, guesses = [], []
+        source = None if self.proposer is not None and self.proposer.capabilities.lookup else self.lookup
         for r in self.running:
             allowed = self._allowed(r)
             k = r.policy.next_k(allowed) if r.policy is not None else 0
             catch_up = self._catch_up_share(r, k, dip) if k > 0 else 0.0
-            guess = RowGuess(r.seq.token_ids, self.lookup)
+            guess = RowGuess(r.seq.token_ids, source, r.seq.cache_salt)
             guess.alone = guess_alone(r, guess, k, allowed, budget, catch_up, self.row_cost)
             guesses.append(guess)
             preferred.append(PreferredDraft(len(guess.alone), r.policy, guess_rate=r.guess_rate.alpha(0))

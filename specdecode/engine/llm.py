@@ -19,7 +19,7 @@ from specdecode.engine.cost_cache import CostCache, cost_cache_enabled, file_ide
 from specdecode.engine.history import RequestHistory
 from specdecode.engine.measure import CostMeasurement
 from specdecode.engine.prefix_cache import PrefixCache
-from specdecode.engine.proposer_factory import ProposerFactory, lookup_guess, proposer_factory
+from specdecode.engine.proposer_factory import ProposerFactory, lookup_source, proposer_factory
 from specdecode.engine.sequence import RequestOutput, Sequence
 from specdecode.engine.validation import (
     check_draft_rows,
@@ -174,11 +174,13 @@ class LLM:
                                        "gguf" if draft_format == "gguf" else "none")
             drafter = (str(spec.model), draft_path, draft_linear_format(draft_format, draft_dtype, self.device))
             convert_linears(self.draft.model, drafter[2])
+        self.lookup = lookup_source(spec)
+        """The suffix source of lookups (and its store of earlier answers), shared by every engine of this `LLM`."""
         self.batch_factory: ProposerFactory | None = proposer_factory(
-            spec, self.max_model_len, self.draft.model if self.draft is not None else None, draft_vocab, self.head)
+            spec, self.max_model_len, self.draft.model if self.draft is not None else None, draft_vocab, self.head,
+            self.lookup)
         """max rows -> the engine's batch proposer: every row drafted together (one forward per level); None
         without speculation."""
-        self.lookup = lookup_guess(spec)
         self.prefix_cache = (PrefixCache(int(prefix_cache_gb * 2**30))
                              if enable_prefix_caching and prefix_cache_gb > 0 else None)
         """One pool for every engine over these weights (`generate`'s and the server's)."""

@@ -1,5 +1,5 @@
-"""The lookup-or-draft choice: each step a row's prompt-lookup guess is either proposed alone or grafted onto its
-drafter's tree.
+"""The lookup-or-draft choice: each step a row's lookup guess (its suffix source: its own text and earlier answers)
+is either proposed alone or grafted onto its drafter's tree.
 
 A draft model or a head drafts well but costs a forward per token or tree level; prompt lookup costs nothing but
 offers a guess only where the suffix occurred before. A row whose guess alone promises more expected tokens per
@@ -18,27 +18,29 @@ from collections.abc import Callable
 from specdecode.cost_model import CostModel
 from specdecode.engine.running import Running
 from specdecode.proposers.base import Draft
-from specdecode.proposers.ngram_match import SuffixMatch, match_suffix
+from specdecode.proposers.suffix_source import SuffixSource
+from specdecode.proposers.suffix_trie import ContinuationTrie
 from specdecode.proposers.tree_growth import graft_chain
 
 
 class RowGuess:
-    """One row's prompt-lookup guess in one step. The suffix is matched on first use only; each length asked
-    (alone: the row's reach; as a branch: its k) reads its own continuation, as `ngram_match` would at it."""
+    """One row's lookup guess in one step. The suffix source is read on first use only; each length asked (alone:
+    the row's reach; as a branch: its k) reads its own chain from the longest length asked so far."""
 
-    def __init__(self, tokens: list[int], ngram: tuple[int, int] | None) -> None:
-        self._tokens, self._ngram = tokens, ngram
-        self._match: SuffixMatch | None = None
+    def __init__(self, tokens: list[int], source: SuffixSource | None, tenant: str | None = None) -> None:
+        self._tokens, self._source, self._tenant = tokens, source, tenant
+        self._trie: ContinuationTrie | None = None
+        self._depth = 0
         self.alone: list[int] = []
         """The guess the row proposes alone this step, cut to its k ([]: its drafter drafts, if k > 0)."""
 
     def tokens(self, n: int) -> list[int]:
         """Up to n guessed tokens ([]: lookup off, or no earlier occurrence of the suffix)."""
-        if self._ngram is None or n <= 0:
+        if self._source is None or n <= 0:
             return []
-        if self._match is None:
-            self._match = match_suffix(self._tokens, *self._ngram)
-        return self._match.continuation(n)
+        if self._trie is None or n > self._depth:
+            self._trie, self._depth = self._source.trie(self._tokens, self._tenant, n), n
+        return self._trie.chain(n)
 
 
 def guess_alone(row: Running, guess: RowGuess, k: int, allowed: int, node_budget: int, catch_up: float,

@@ -17,33 +17,44 @@ from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.proposers.eagle_rows import EagleRows
 from specdecode.proposers.medusa_rows import MedusaRows
 from specdecode.proposers.ngram import NgramRows
+from specdecode.proposers.suffix import SuffixRows
+from specdecode.proposers.suffix_index import SuffixStore
+from specdecode.proposers.suffix_source import SuffixSource
 
 ProposerFactory = Callable[[int], BatchProposer]
 """max rows -> a batch proposer with its own drafting states."""
 
 
-def lookup_guess(spec: SpeculativeConfig | None) -> tuple[int, int] | None:
-    """(min, max) suffix n-gram of the prompt-lookup guesses beside a drafter; None when they are off."""
-    return (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec and spec.draft_prompt_lookup else None
+def lookup_source(spec: SpeculativeConfig | None) -> SuffixSource | None:
+    """The suffix source of the `suffix` proposer and of the lookup guesses beside a drafter, over a store of
+    earlier answers in the config's scope; None where nothing reads it (no speculation, the n-gram proposer, a
+    drafter with its guesses off)."""
+    if spec is None or spec.method == "ngram" or (spec.method != "suffix" and not spec.draft_prompt_lookup):
+        return None
+    return SuffixSource(spec.prompt_lookup_min, SuffixStore(spec.suffix_scope, spec.suffix_cache_tokens))
 
 
 def proposer_factory(spec: SpeculativeConfig | None, max_len: int, draft: Transformer | None = None,
-                     draft_vocab: tuple[int, int] | None = None, head: DraftHead | None = None
-                     ) -> ProposerFactory | None:
+                     draft_vocab: tuple[int, int] | None = None, head: DraftHead | None = None,
+                     lookup: SuffixSource | None = None) -> ProposerFactory | None:
     """The factory of batch proposers for `spec` (None without speculation). `draft`: the loaded draft model of
     the "draft" method, drafting over the target's ids (`draft_vocab`: its real and the target's row counts when
-    they differ); `head`: the EAGLE or Medusa head attached to the target; `max_len`: the context length."""
+    they differ); `head`: the EAGLE or Medusa head attached to the target; `max_len`: the context length;
+    `lookup`: the suffix source (`lookup_source`), which the suffix proposer drafts from and a draft model's
+    chains guess with."""
     if spec is None:
         return None
     width, branching = spec.tree_width, spec.tree_branching
     if spec.method == "draft":
         assert draft is not None, "the draft method needs its loaded draft model"
-        lookup = lookup_guess(spec)
         return lambda rows: DraftModelRows(draft, max_len, width, branching, lookup, vocab=draft_vocab,
                                            max_rows=rows)
     if isinstance(head, EagleHead):
         return lambda rows: EagleRows(head, max_len, width, branching, max_rows=rows)
     if isinstance(head, MedusaHeads):
         return lambda rows: MedusaRows(head, width, branching)
+    if spec.method == "suffix":
+        assert lookup is not None, "the suffix method needs its suffix source"
+        return lambda rows: SuffixRows(lookup)
     lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
     return lambda rows: NgramRows(lo, hi)

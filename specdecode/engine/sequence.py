@@ -116,7 +116,7 @@ class Sequence:
     def view(self) -> SequenceView:
         return SequenceView(
             self.token_ids, self.prompt_len, self.params, self.generator, self.output_counts, self.prompt_mask,
-            self.matcher,
+            self.matcher, self.cache_salt,
         )
 
     def append(self, token: int, logprob: TokenLogprob | None = None) -> None:

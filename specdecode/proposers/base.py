@@ -37,6 +37,8 @@ class SequenceView:
     matcher: TokenMatcher | None = None
     """Structured outputs: the grammar's cursor after token_ids (a drafter may consume along its draft and
     must roll back what it consumed)."""
+    tenant: str | None = None
+    """Whose earlier answers a lookup may read ("key" scope): the request's cache_salt."""
 
 
 @dataclass
@@ -67,6 +69,8 @@ class Capabilities:
     catch_up: bool = False
     """Feeds context it has not seen before drafting (a draft model's prefill), at `catch_up_token_seconds`
     per token; `catch_up_tokens` says how many."""
+    lookup: bool = False
+    """Its drafts are lookups themselves (n-gram, suffix): the engine offers no lookup guess beside them."""
 
     @property
     def trees(self) -> bool:

@@ -3,8 +3,8 @@
 The caller (`DraftModelRows`) runs the draft model over every drafting row in one forward per depth;
 `ChainDraft` picks each row's tokens and says what to feed it next.
 
-With a prompt-lookup range, each forward also carries a guess of what the draft will pick next: the
-continuation of the latest earlier occurrence of the suffix. One forward over [token, guess...] gives the
+With a lookup source, each forward also carries a guess of what the draft will pick next: what most often
+followed the suffix before (proposers/suffix_source.py). One forward over [token, guess...] gives the
 draft's logits after every guessed token; the guess holds as long as the draft picks its tokens, so an
 accepted run of g guesses costs one forward instead of g. The tokens (and, sampling, the uniforms drawn and
 the probabilities) are those of the plain loop, up to the float rounding of a wider forward: a wrong guess
@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 
 from specdecode.proposers.base import Draft, SequenceView
-from specdecode.proposers.ngram_match import ngram_match
+from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.sampling import draw_uniforms, logits_to_probs, sample_from_probs
 
 
 class ChainDraft:
-    def __init__(self, seq: SequenceView, k: int, lookup: tuple[int, int] | None) -> None:
+    def __init__(self, seq: SequenceView, k: int, lookup: SuffixSource | None) -> None:
         self.seq, self.k = seq, k
         self.lookup = lookup if seq.output_counts is None else None
         self.stochastic = not seq.params.greedy
@@ -68,7 +68,7 @@ class ChainDraft:
     def next_feed(self) -> list[int]:
         """What the next forward feeds: the newest drafted token and a guess of the draft's next ones."""
         left = self.k - len(self.tokens)
-        self.guess = ngram_match(self.seq.token_ids + self.tokens, *self.lookup, left) if self.lookup else []
+        self.guess = self.lookup.chain(self.seq.token_ids + self.tokens, self.seq.tenant, left) if self.lookup else []
         return [self.tokens[-1], *self.guess]
 
     def take(self, rows: torch.Tensor) -> int:

@@ -24,6 +24,7 @@ from specdecode.proposers.draft_chain import ChainDraft
 from specdecode.proposers.nodes_worth_verifying import RowTreeValues, TreeValue, node_selector
 from specdecode.proposers.row_cache import RowCache
 from specdecode.proposers.row_packing import Packed, RowInput, forward_rows
+from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.proposers.tree_growth import TreeGrower, level_width
 from specdecode.tree import MAX_TREE_NODES
 
@@ -90,7 +91,7 @@ class DraftModelRows(RowTreeValues):
     name = "draft"
 
     def __init__(self, model: Transformer, max_len: int, tree_width: int = 1, tree_branching: int = 2,
-                 prompt_lookup: tuple[int, int] | None = None, vocab: tuple[int, int] | None = None,
+                 prompt_lookup: SuffixSource | None = None, vocab: tuple[int, int] | None = None,
                  max_rows: int | None = None) -> None:
         self.model, self.vocab, self.prompt_lookup = model, vocab, prompt_lookup
         self.tree_width, self.tree_branching = tree_width, tree_branching

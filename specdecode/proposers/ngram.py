@@ -16,7 +16,7 @@ class NgramRows:
     to prompt_lookup_min tokens)."""
 
     name = "ngram"
-    capabilities = Capabilities()
+    capabilities = Capabilities(lookup=True)
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:

@@ -24,6 +24,8 @@ class SuffixMatch:
     """[L] the sequence matched."""
     ends: np.ndarray
     """Ascending end positions of the winning n-gram's earlier occurrences (empty: no match)."""
+    n: int = 0
+    """The winning n-gram's length (0: no match)."""
 
     def continuation(self, k: int) -> list[int]:
         """The up to k tokens that followed an occurrence, by `ngram_match`'s tie rule. The occurrence chosen
@@ -106,7 +108,7 @@ def _match(arr: np.ndarray, min_n: int, max_n: int) -> SuffixMatch:
     best_n = int(match_len.max(initial=0))
     if best_n < min_n:
         return SuffixMatch(arr, _NO_ENDS)
-    return SuffixMatch(arr, np.flatnonzero(match_len >= best_n))  # ascending end positions of the winning n-gram
+    return SuffixMatch(arr, np.flatnonzero(match_len >= best_n), best_n)  # ascending ends of the winning n-gram
 
 
 def cap_draft_len(k: int, seq_len: int, max_context: int, tokens_left: int) -> int:

@@ -1,0 +1,75 @@
+"""Suffix decoding through `LLM`: greedy output equals plain decoding for `suffix` alone and as the lookup of
+EAGLE and the draft model; earlier answers are drafted from in "global" scope, per tenant in "key" scope, never
+in "request" scope."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_helpers import GREEDY, tiny_prompts
+
+from specdecode import LLM
+
+
+def _accepted(outs: list) -> float:  # noqa: ANN001
+    return sum(o.metrics["accepted_tokens"] for o in outs)
+
+
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_suffix_greedy_equals_plain_and_drafts_from_earlier_answers(plain_tiny, tiny_llama_dir: Path,
+                                                                     k: int | str) -> None:
+    base, ref = plain_tiny
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "suffix", "num_speculative_tokens": k})
+    first = llm.generate(tiny_prompts(base), GREEDY)
+    assert [o.token_ids for o in first] == ref
+    again = llm.generate(tiny_prompts(base), GREEDY)  # the store holds the first answers
+    assert [o.token_ids for o in again] == ref
+    assert _accepted(again) > _accepted(first)
+    if k == 4:
+        assert all(o.metrics["mean_accepted_length"] > 3.0 for o in again)
+    assert llm.lookup is not None and llm.lookup.store is not None and llm.lookup.store.tokens > 0
+
+
+def test_request_scope_drafts_from_the_request_alone(plain_tiny, tiny_llama_dir: Path) -> None:
+    base, ref = plain_tiny
+    llm = LLM(str(tiny_llama_dir), dtype="fp32",
+              speculative_config={"method": "suffix", "num_speculative_tokens": 4, "suffix_scope": "request"})
+    first = llm.generate(tiny_prompts(base), GREEDY)
+    again = llm.generate(tiny_prompts(base), GREEDY)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first] == ref
+    assert _accepted(again) == _accepted(first)
+    assert llm.lookup is not None and llm.lookup.store is not None and llm.lookup.store.tokens == 0
+
+
+def test_key_scope_drafts_from_the_same_tenants_answers_only(plain_tiny, tiny_llama_dir: Path) -> None:
+    base, ref = plain_tiny
+    llm = LLM(str(tiny_llama_dir), dtype="fp32",
+              speculative_config={"method": "suffix", "num_speculative_tokens": 4, "suffix_scope": "key"})
+    prompts = tiny_prompts(base)
+
+    def run(salt: str) -> list:  # noqa: ANN202
+        return llm.generate([{"prompt_token_ids": p, "cache_salt": salt} for p in prompts], GREEDY)
+
+    alice = run("alice")
+    bob = run("bob")  # alice's answers are not bob's to draft from
+    alice_again = run("alice")
+    assert [o.token_ids for o in alice] == [o.token_ids for o in bob] == [o.token_ids for o in alice_again] == ref
+    assert _accepted(bob) == _accepted(alice)
+    assert _accepted(alice_again) > _accepted(alice)
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft"])
+def test_drafters_with_the_suffix_lookup_keep_greedy_output(plain_tiny, tiny_llama_dir: Path,
+                                                            tiny_llama_other_dir: Path, tiny_heads: dict[str, Path],
+                                                            method: str) -> None:
+    base, ref = plain_tiny
+    model = str(tiny_heads["eagle"]) if method == "eagle" else str(tiny_llama_other_dir)
+    for k in (3, "auto"):
+        llm = LLM(str(tiny_llama_dir), dtype="fp32",
+                  speculative_config={"method": method, "model": model, "num_speculative_tokens": k})
+        first = llm.generate(tiny_prompts(base), GREEDY)
+        again = llm.generate(tiny_prompts(base), GREEDY)  # earlier answers ride in the lookup
+        assert [o.token_ids for o in first] == [o.token_ids for o in again] == ref
+        if k == 3 and method == "eagle":  # the earlier answer is grafted onto the head's random tree
+            assert _accepted(again) > _accepted(first)
