@@ -12,7 +12,13 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB, METHODS, TARGET_QUANTIZATIONS
+from specdecode.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_POOL_GB,
+    METHODS,
+    SUFFIX_SCOPES,
+    TARGET_QUANTIZATIONS,
+)
 from specdecode.hub import HubRef, parse_hub_id
 
 if TYPE_CHECKING:
@@ -114,6 +120,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "on CPU) and int4 change the model (speculation stays lossless relative to the "
                         "quantized target); gguf runs a GGUF file's own quantized blocks (AVX512-VNNI or AVX2 kernels)")
     p.add_argument("--num-speculative-tokens", default=None, help='k, or "auto" (default)')
+    p.add_argument("--suffix-scope", default=None, choices=list(SUFFIX_SCOPES),
+                   help="whose earlier answers the suffix lookups (the suffix method, every drafter's lookup guess) "
+                        "draft from: global (every request of this server; the default), key (requests with the "
+                        "same cache_salt), request (none: each request's own text)")
+    p.add_argument("--suffix-cache-tokens", type=int, default=None,
+                   help="tokens of earlier answers kept for suffix lookups, oldest evicted first (default 1048576)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="on torch's fallback kernels (no AVX512-BF16), compute every token of the target's "
                         "forwards as if alone (--dtype fp32), at one pass over the weights per token; our kernels "
@@ -145,6 +157,9 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
             cfg["num_speculative_tokens"] = k if k == "auto" else int(k)
         except ValueError:
             raise ValueError(f"--num-speculative-tokens must be an integer or 'auto', got {k!r}") from None
+    for name in ("suffix_scope", "suffix_cache_tokens"):  # they tune a speculative config; alone they make none
+        if cfg and getattr(args, name, None) is not None:
+            cfg[name] = getattr(args, name)
     return cfg or None
 
 

@@ -20,6 +20,7 @@ from specdecode.proposers.eagle_rows import EagleRows
 from specdecode.proposers.medusa_rows import MedusaRows
 from specdecode.proposers.ngram import NgramRows
 from specdecode.proposers.row_packing import RowInput, pack
+from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.sampling import SamplingParams
 
 VOCAB = 48
@@ -78,8 +79,8 @@ def _two_steps(propose, verified, views: list[SequenceView], ks: list[int]) -> l
 
 
 @pytest.mark.parametrize(("temperature", "tree_width", "lookup"),
-                         [(0.0, 1, None), (1.0, 1, None), (0.0, 1, (1, 3)), (1.0, 1, (1, 3)), (0.0, 2, None),
-                          (0.0, 0, None)],
+                         [(0.0, 1, None), (1.0, 1, None), (0.0, 1, SuffixSource(1)), (1.0, 1, SuffixSource(1)),
+                          (0.0, 2, None), (0.0, 0, None)],
                          ids=["greedy", "sampled", "greedy-lookup", "sampled-lookup", "tree", "dynamic-tree"])
 def test_batched_draft_model_equals_per_row(temperature: float, tree_width: int, lookup) -> None:  # noqa: ANN001
     ks = [3, 4, 5, 2, 4]

@@ -328,6 +328,7 @@ def test_llama_server_peer_runs_one_server_per_method(tmp_path: Path, monkeypatc
     monkeypatch.setenv("SPECDECODE_LLAMA_SERVER", str(binary))
     (peer,), notes = make_peers(["llamaserver"], ctx)
     assert notes == [] and peer.method_names() == ["llamaserver-plain", "llamaserver-ngram-simple",
+                                                   "llamaserver-ngram-mod", "llamaserver-ngram-cache",
                                                    "llamaserver-draft"]
     try:
         methods = peer.open()
@@ -336,7 +337,7 @@ def test_llama_server_peer_runs_one_server_per_method(tmp_path: Path, monkeypatc
             m.prepare()
             assert m.generate([5, 6, 7]) == [6, 7, 8, 2]
             assert m.settings["server_peak_rss_bytes"] > 0
-        assert methods[2].settings["args"] == f"-md {tmp_path / 'd.gguf'} --spec-type draft-simple"
+        assert methods[4].settings["args"] == f"-md {tmp_path / 'd.gguf'} --spec-type draft-simple"
     finally:
         peer.close()
     assert peer.proc is None

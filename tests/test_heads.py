@@ -240,7 +240,7 @@ def test_heads_in_continuous_batching_keep_greedy_output(plain_tiny, tiny_llama_
     grafted onto them (here a guess is always found, and the lookup-or-tree choice, tested on its own in
     test_tree_engine.py, is off so that every step drafts a tree)."""
     monkeypatch.setattr("specdecode.proposers.suffix_source.SuffixSource.trie",
-                        lambda self, tokens, tenant, depth: SimpleNamespace(chain=lambda k: [5, 6, 7][:k]))
+                        lambda self, tokens, tenant, depth, *shared: SimpleNamespace(chain=lambda k: [5, 6, 7][:k]))
     monkeypatch.setattr("specdecode.engine.core.guess_alone", lambda *args: [])
     base, ref = plain_tiny
     llm = LLM(str(tiny_llama_dir), dtype="fp32",

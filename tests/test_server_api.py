@@ -65,7 +65,14 @@ def draft_server(tiny_llama_dir: Path) -> Iterator[LiveServer]:
     server.stop()
 
 
-@pytest.fixture(params=["ngram", "draft"])
+@pytest.fixture(scope="module")
+def suffix_server(tiny_llama_dir: Path) -> Iterator[LiveServer]:
+    server = _serve(_llm(tiny_llama_dir, {"method": "suffix", "suffix_cache_tokens": 4096}))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["ngram", "draft", "suffix"])
 def server(request: pytest.FixtureRequest) -> LiveServer:
     return request.getfixturevalue(f"{request.param}_server")
 
@@ -116,6 +123,20 @@ def test_serve_command_line() -> None:
 
 
 # ---- completions ------------------------------------------------------------------------------------------
+
+
+def test_suffix_server_drafts_from_earlier_answers_and_reports_its_store(suffix_server: LiveServer,
+                                                                         ref: LLM) -> None:
+    want = ref.generate(PROMPTS[2], greedy(40, ignore_eos=True))[0]
+    body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    first, again = (suffix_server.post("/v1/completions", json=body).json() for _ in range(2))
+    assert first["choices"][0]["text"] == again["choices"][0]["text"] == want.text
+    assert again["usage"]["speculative"]["mean_accepted_length"] > first["usage"]["speculative"][
+        "mean_accepted_length"]
+    m = suffix_server.metrics()
+    assert 0 < m["specdecode_suffix_cache_tokens"] <= m["specdecode_suffix_cache_max_tokens"] == 4096
+    assert m["specdecode_suffix_cache_bytes"] > 0
+
 
 
 def test_completions_match_reference(server: LiveServer, ref: LLM) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tiny_helpers import GREEDY, tiny_prompts
 
-from specdecode import LLM
+from specdecode import LLM, SamplingParams
 
 
 def _accepted(outs: list) -> float:  # noqa: ANN001
@@ -73,3 +73,16 @@ def test_drafters_with_the_suffix_lookup_keep_greedy_output(plain_tiny, tiny_lla
         assert [o.token_ids for o in first] == [o.token_ids for o in again] == ref
         if k == 3 and method == "eagle":  # the earlier answer is grafted onto the head's random tree
             assert _accepted(again) > _accepted(first)
+
+
+def test_a_seeded_sampled_request_does_not_depend_on_earlier_answers(tiny_llama_dir: Path) -> None:
+    """Sampling drafts from the request's own text only: earlier answers would change its drafts, and with them
+    the random numbers verification draws."""
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7)
+    prompts = tiny_prompts(llm)
+    a = llm.generate(prompts, params)
+    llm.generate(prompts, GREEDY)
+    b = llm.generate(prompts, params)
+    assert llm.lookup is not None and llm.lookup.store is not None and llm.lookup.store.tokens > 0
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]

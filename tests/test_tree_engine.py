@@ -16,7 +16,7 @@ from specdecode.cost_model import CostModel
 from specdecode.engine.core import Engine
 from specdecode.engine.lookup_guess import RowGuess, guess_alone
 from specdecode.engine.running import Running
-from specdecode.proposers.ngram_match import ngram_match
+from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.sampling import tree_output_counts
 from specdecode.tree import build_tree
 
@@ -34,9 +34,14 @@ def _alone(engine: Engine, row: Running, k: int, node_budget: int) -> list[int]:
                        engine.row_cost)
 
 
+def _guess(tokens: list[int], n: int) -> list[int]:
+    """The lookup guess of n tokens of a row alone (its own text: min_n 1)."""
+    return SuffixSource(1).chain(tokens, None, n)
+
+
 def _lookup_oracle(guess: Callable[[list[int], int], list[int]]) -> Callable[..., SimpleNamespace]:
     """A suffix source's trie in place of the real one's, whose chain of k tokens is guess(token_ids, k)."""
-    return lambda self, token_ids, tenant, depth: SimpleNamespace(chain=lambda k: guess(list(token_ids), k))
+    return lambda self, token_ids, tenant, depth, *shared: SimpleNamespace(chain=lambda k: guess(list(token_ids), k))
 
 
 @pytest.mark.parametrize(("width", "branching", "depth"), TREES)
@@ -192,7 +197,7 @@ def test_a_row_whose_drafter_does_not_pay_proposes_its_lookup_guess_alone(plain_
     engine.step()
     assert engine.cost is not None and engine.cost.draft_step_seconds == 0
     row = engine.running[0]
-    assert ngram_match(row.seq.token_ids, 1, 5, 4) and _alone(engine, row, 4, 16) == []
+    assert _guess(row.seq.token_ids, 4) and _alone(engine, row, 4, 16) == []
 
 
 def test_a_guess_proposed_alone_runs_on_past_the_tree_depth(tiny_llama_dir: Path, tiny_llama_other_dir: Path) -> None:
@@ -209,12 +214,12 @@ def test_a_guess_proposed_alone_runs_on_past_the_tree_depth(tiny_llama_dir: Path
     engine.step()  # the prefills
     long, short = engine.running
     tokens = long.seq.token_ids
-    assert ngram_match(tokens, 1, 5, 8)[:2] == ngram_match(tokens, 1, 5, 2)  # the copy goes on past depth 2
-    assert _alone(engine, long, 2, 16) == ngram_match(tokens, 1, 5, 8)  # k_max
-    assert _alone(engine, long, 2, 5) == ngram_match(tokens, 1, 5, 5)  # nodes
+    assert _guess(tokens, 8)[:2] == _guess(tokens, 2)  # the copy goes on past depth 2
+    assert _alone(engine, long, 2, 16) == _guess(tokens, 8)  # k_max
+    assert _alone(engine, long, 2, 5) == _guess(tokens, 5)  # nodes
     # 3 tokens left after the first: a step verifies at most 2 drafts, and emits its own token after them.
     assert short.seq.token_ids == tokens
-    assert _alone(engine, short, 2, 16) == ngram_match(tokens, 1, 5, 2)
+    assert _alone(engine, short, 2, 16) == _guess(tokens, 2)
 
 
 def test_rejected_guesses_lower_the_rows_guess_rate_until_it_stops_guessing(

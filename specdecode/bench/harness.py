@@ -104,6 +104,8 @@ class BenchRun:
             if cfg.warmup:
                 bar.set_postfix_str(f"{spec.name}: warm-up")
                 generate_ours(llm, ids_list[0], self._params(min(WARMUP_TOKENS, cfg.max_tokens)))
+                if llm.lookup is not None and llm.lookup.store is not None:
+                    llm.lookup.store.clear()  # the warm-up's answer would be the first prompt's own
             bar.set_postfix_str(spec.name)
             for prompt, ids in zip(prompts, ids_list, strict=True):
                 (out, accepted, drafted), seconds = timed(lambda ids=ids: generate_ours(llm, ids, params))

@@ -9,8 +9,8 @@ from typing import Any
 from specdecode.config import DRAFT_QUANTIZATIONS, QUANTIZATIONS
 
 _METHOD_RE = re.compile(
-    r"^(plain|ngram|draft|eagle|medusa)(-chain|-tree|-w\d+)?(?:-b(\d+))?(-nolookup)?(?:-k(\d+))?$")
-METHOD_HELP = ("plain, ngram, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
+    r"^(plain|ngram|suffix|draft|eagle|medusa)(-chain|-tree|-w\d+)?(?:-b(\d+))?(-nolookup)?(?:-k(\d+))?$")
+METHOD_HELP = ("plain, ngram, suffix, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
                "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default), -wN a tree "
                "keeping N nodes per level (e.g. eagle-w2-k4: at most 8 nodes, like the chain eagle-chain-k8), -bN "
                "expanding each tree node into its top N tokens (default 4 for eagle, 2 otherwise); "
@@ -53,7 +53,7 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         return MethodSpec(name, {**spec.speculative_config, "quantization": draft_format})
     name, _, label = name.partition(":")
     m = _METHOD_RE.match(name)
-    if (m is None or (m.group(1) in ("plain", "ngram") and (m.group(2) or m.group(3)))
+    if (m is None or (m.group(1) in ("plain", "ngram", "suffix") and (m.group(2) or m.group(3)))
             or (m.group(1) == "plain" and m.group(5))
             or (m.group(4) and m.group(1) not in ("draft", "eagle", "medusa"))):
         raise ValueError(f"unknown method {name!r}: {METHOD_HELP}")

@@ -6,6 +6,9 @@ method, greedy ``/completion`` requests with the prompt's token ids and no promp
 
 - ``llamaserver-plain``: no speculation.
 - ``llamaserver-ngram-simple``: ``--spec-type ngram-simple`` at its defaults.
+- ``llamaserver-ngram-mod``, ``llamaserver-ngram-cache``: ``--spec-type ngram-mod`` / ``ngram-cache`` at their
+  defaults: lookups that also learn from the server's earlier requests (one server serves every prompt of a
+  method, so they learn as our `suffix` does).
 - ``llamaserver-draft``: ``-md DRAFT --spec-type draft-simple`` at its defaults (with a GGUF draft).
 
 Each method's settings record the server's peak RSS (``VmHWM``) after its last request.
@@ -53,7 +56,9 @@ class LlamaServerPeer(Peer):
         return None
 
     def _variants(self) -> dict[str, list[str]]:
-        out = {"llamaserver-plain": [], "llamaserver-ngram-simple": ["--spec-type", "ngram-simple"]}
+        out = {"llamaserver-plain": [], "llamaserver-ngram-simple": ["--spec-type", "ngram-simple"],
+               "llamaserver-ngram-mod": ["--spec-type", "ngram-mod"],
+               "llamaserver-ngram-cache": ["--spec-type", "ngram-cache"]}
         draft = self.ctx.draft_path
         if draft is not None and draft.suffix == ".gguf" and draft.is_file():
             out["llamaserver-draft"] = ["-md", str(draft), "--spec-type", "draft-simple"]

@@ -64,10 +64,8 @@ class Engine:
         self.k_max = k_max if proposer is not None else 0
         self.fixed_k = fixed_k
         self.lookup = lookup
-        """Where lookup guesses come from (None: off): a row whose guess promises more tokens per second than its
-        drafter proposes the guess alone; every other tree draft gets the guess as one more branch, verified in
-        the same target forward (copied text is accepted through the guess, the rest through the drafter;
-        engine/lookup_guess.py). Every finished answer is kept in its store for later requests."""
+        """Where lookup guesses come from (None: off): a row proposes its guess alone where that pays more than its
+        drafter, else tree drafts get it as one more branch (engine/lookup_guess.py). Answers go to its store."""
         self.proposer: BatchProposer | None = None
         self._cost: CostModel | None = None
         self.row_cost: CostModel | None = None
@@ -347,7 +345,7 @@ class Engine:
             allowed = self._allowed(r)
             k = r.policy.next_k(allowed) if r.policy is not None else 0
             catch_up = self._catch_up_share(r, k, dip) if k > 0 else 0.0
-            guess = RowGuess(r.seq.token_ids, source, r.seq.cache_salt)
+            guess = RowGuess(r.seq.token_ids, source, r.seq.cache_salt, r.seq.params.greedy)
             guess.alone = guess_alone(r, guess, k, allowed, budget, catch_up, self.row_cost)
             guesses.append(guess)
             preferred.append(PreferredDraft(len(guess.alone), r.policy, guess_rate=r.guess_rate.alpha(0))

@@ -27,8 +27,9 @@ class RowGuess:
     """One row's lookup guess in one step. The suffix source is read on first use only; each length asked (alone:
     the row's reach; as a branch: its k) reads its own chain from the longest length asked so far."""
 
-    def __init__(self, tokens: list[int], source: SuffixSource | None, tenant: str | None = None) -> None:
-        self._tokens, self._source, self._tenant = tokens, source, tenant
+    def __init__(self, tokens: list[int], source: SuffixSource | None, tenant: str | None = None,
+                 shared: bool = True) -> None:
+        self._tokens, self._source, self._tenant, self._shared = tokens, source, tenant, shared
         self._trie: ContinuationTrie | None = None
         self._depth = 0
         self.alone: list[int] = []
@@ -39,7 +40,7 @@ class RowGuess:
         if self._source is None or n <= 0:
             return []
         if self._trie is None or n > self._depth:
-            self._trie, self._depth = self._source.trie(self._tokens, self._tenant, n), n
+            self._trie, self._depth = self._source.trie(self._tokens, self._tenant, n, self._shared), n
         return self._trie.chain(n)
 
 

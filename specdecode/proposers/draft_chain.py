@@ -68,7 +68,9 @@ class ChainDraft:
     def next_feed(self) -> list[int]:
         """What the next forward feeds: the newest drafted token and a guess of the draft's next ones."""
         left = self.k - len(self.tokens)
-        self.guess = self.lookup.chain(self.seq.token_ids + self.tokens, self.seq.tenant, left) if self.lookup else []
+        seq = self.seq
+        self.guess = (self.lookup.chain(seq.token_ids + self.tokens, seq.tenant, left, seq.params.greedy)
+                      if self.lookup else [])
         return [self.tokens[-1], *self.guess]
 
     def take(self, rows: torch.Tensor) -> int:

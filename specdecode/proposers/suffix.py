@@ -39,7 +39,8 @@ class SuffixRows:
     def propose(self, rows: list[ProposeRow]) -> list[Draft]:
         drafts = []
         for r in rows:
-            tree = self.source.trie(r.seq.token_ids, r.seq.tenant, r.k).tree(max(r.k, r.node_budget), MIN_NODE_PROB)
+            trie = self.source.trie(r.seq.token_ids, r.seq.tenant, r.k, shared=r.seq.params.greedy)
+            tree = trie.tree(max(r.k, r.node_budget), MIN_NODE_PROB)
             drafts.append(Draft(tree.tokens, None, tree.parents))
         return drafts
 

@@ -151,6 +151,13 @@ class SuffixStore:
                 if not len(index):
                     del self._indexes[old_tenant]
 
+    def clear(self) -> None:
+        """Forget every answer."""
+        with self._lock:
+            self._indexes.clear()
+            self._age.clear()
+            self._held = 0
+
     def occurrences(self, tenant: str | None, context: Sequence[int], max_n: int, depth: int) -> Occurrences:
         if not self.enabled:
             return NO_MATCH

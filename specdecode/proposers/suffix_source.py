@@ -30,24 +30,26 @@ class SuffixSource:
             raise ValueError(f"need min_n >= 1, got {min_n}")
         self.min_n, self.store = min_n, store
 
-    def trie(self, tokens: Sequence[int], tenant: str | None, depth: int) -> ContinuationTrie:
-        """The continuations (up to `depth` tokens) of the longest match of the suffix of `tokens`."""
+    def trie(self, tokens: Sequence[int], tenant: str | None, depth: int, shared: bool = True) -> ContinuationTrie:
+        """The continuations (up to `depth` tokens) of the longest match of the suffix of `tokens`; `shared`:
+        in earlier answers too. A sampled request reads its own text only: its drafts, and so the random numbers
+        its verification draws, then depend on nothing else that ran, and a seed reproduces its answer."""
         if depth <= 0:
             return ContinuationTrie([], 0)
         own = match_suffix(tokens, self.min_n, max(self.min_n, MAX_MATCH))
         length = len(tokens)
         ends = own.ends[own.ends < length - 1][-OWN_OCCURRENCES:][::-1]  # newest first, each with a token after it
         mine = [list(tokens[int(e) + 1 : int(e) + 1 + depth]) for e in ends]
-        theirs = (self.store.occurrences(tenant, tokens, MAX_MATCH, depth) if self.store is not None else None)
+        theirs = self.store.occurrences(tenant, tokens, MAX_MATCH, depth) if shared and self.store else None
         if theirs is None or theirs.length < max(self.min_n, own.n if mine else 0):
             return ContinuationTrie(mine, depth)
         if theirs.length > own.n or not mine:
             return ContinuationTrie(theirs.continuations, depth)
         return ContinuationTrie(mine + theirs.continuations, depth)
 
-    def chain(self, tokens: Sequence[int], tenant: str | None, n: int) -> list[int]:
+    def chain(self, tokens: Sequence[int], tenant: str | None, n: int, shared: bool = True) -> list[int]:
         """Up to n guessed tokens (the most frequent continuation); [] without a match."""
-        return self.trie(tokens, tenant, n).chain(n) if n > 0 else []
+        return self.trie(tokens, tenant, n, shared).chain(n) if n > 0 else []
 
     def remember(self, tenant: str | None, tokens: Sequence[int], prompt_len: int) -> None:
         """Keep a finished request's answer for later requests of its scope."""

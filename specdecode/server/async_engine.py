@@ -371,6 +371,11 @@ class AsyncEngine:
             m.prefix_cache_hit_rate.set(pool.hit_rate)
             m.prefix_cache_usage.set(pool.bytes_used / pool.max_bytes if pool.max_bytes else 0.0)
         m.kv_cache_usage.set(self.engine.kv_usage)
+        store = self.engine.lookup.store if self.engine.lookup is not None else None
+        if store is not None:
+            m.suffix_cache_tokens.set(store.tokens)
+            m.suffix_cache_max_tokens.set(store.max_tokens)
+            m.suffix_cache_bytes.set(store.approx_bytes)
 
     @staticmethod
     def _call(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> bool:

@@ -61,6 +61,12 @@ class ServerMetrics:
             registry=r)
         self.prefix_cache_usage = Gauge(
             "specdecode_prefix_cache_usage", "Fraction of the prefix-cache pool's bytes in use.", registry=r)
+        self.suffix_cache_tokens = Gauge(
+            "specdecode_suffix_cache_tokens", "Tokens of earlier answers held for suffix lookups.", registry=r)
+        self.suffix_cache_max_tokens = Gauge(
+            "specdecode_suffix_cache_max_tokens", "The bound on those tokens (--suffix-cache-tokens).", registry=r)
+        self.suffix_cache_bytes = Gauge(
+            "specdecode_suffix_cache_bytes", "Approximate memory of the suffix lookups' store.", registry=r)
         self.requests_finished = Counter(
             "specdecode_requests_finished", "Requests finished, by reason (stop, length, abort, error).",
             ["finish_reason"], registry=r)
