@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="server batch rows (default: 16, or the highest concurrency if more), the same server for "
                         "a partial rerun as for the full table")
+    p.add_argument("--suffix-scope", default=None, help="the server's --suffix-scope")
+    p.add_argument("--salt-per-pass", action="store_true",
+                   help="give every pass (level, round, mode) its own cache_salt: with --suffix-scope key a pass "
+                        "drafts from its own earlier answers only, never from another pass's answers to the same "
+                        "prompts")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server")
     p.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
     return p.parse_args(argv)
@@ -85,7 +90,8 @@ def start_server(args: argparse.Namespace, max_num_seqs: int,
     for flag, value in (("--device", args.device), ("--max-model-len", args.max_model_len),
                         ("--speculative-config", args.speculative_config), ("--draft", args.draft),
                         ("--method", args.method), ("--head", args.head),
-                        ("--num-speculative-tokens", args.num_speculative_tokens)):
+                        ("--num-speculative-tokens", args.num_speculative_tokens),
+                        ("--suffix-scope", args.suffix_scope)):
         if value is not None:
             cmd += [flag, str(value)]
     print("starting:", " ".join(cmd), file=sys.stderr)
@@ -125,6 +131,8 @@ def one_request(client: httpx.Client, model: str, messages: list[dict[str, str]]
     }
     if plain:
         body["speculative"] = {"num_speculative_tokens": 0}
+    if args.pass_salt:
+        body["cache_salt"] = args.pass_salt
     t0 = time.perf_counter()
     ttft = None
     text: list[str] = []
@@ -204,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--concurrency, --num-prompts, --max-tokens and --rounds must be positive")
     prompts = [p.messages for p in load_prompts(args.dataset)]
     prompts = (prompts * (args.num_prompts // len(prompts) + 1))[: args.num_prompts]
+    args.pass_salt = None
     proc = None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.url:
@@ -222,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             # plain, spec, spec, plain, ...: a machine that drifts during a level slows both modes alike.
             for i in range(2 * args.rounds):
                 plain = (i % 4) in (0, 3)
+                args.pass_salt = f"pass-{c}-{i}" if args.salt_per_pass else None
                 row = run_level(url, headers, model, prompts, c, args, plain)
                 runs[plain].append(row)
                 print(f"concurrency {c:>2} {row['mode']:<5} {row['tokens_per_second']:8.1f} tok/s "

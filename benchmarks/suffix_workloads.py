@@ -8,7 +8,9 @@
 - agent.jsonl: a coding agent's conversation (generated): the tools in a system message, a task, earlier tool
   calls as JSON and their observations; the answer is the next tool call.
 
-    python benchmarks/suffix_workloads.py [--per-task 12] [--seed 0]
+    python benchmarks/suffix_workloads.py [--per-task 12] [--seed 0] [--out DIR]
+
+The benchmark's sets are seed 0; a set to try settings on is another seed, written elsewhere.
 """
 
 from __future__ import annotations
@@ -148,12 +150,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--per-task", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=OUT, help="folder to write (default: %(default)s)")
     args = p.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     for name, make in (("code_edits", code_edits), ("extraction", extraction), ("agent", agent)):
         rows = make(args.per_task, args.seed)
-        (OUT / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        print(f"{OUT / name}.jsonl: {len(rows)} prompts")
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        print(f"{out / name}.jsonl: {len(rows)} prompts")
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ class SpeculativeConfig:
     """Shortest suffix n-gram the n-gram proposer matches."""
     prompt_lookup_max: int = 5
     """Longest suffix n-gram tried first."""
-    max_speculative_tokens: int = 8
-    """Upper bound on k when num_speculative_tokens is "auto"."""
+    max_speculative_tokens: int | None = None
+    """Upper bound on k when num_speculative_tokens is "auto". None = the method's default: 16 for "suffix" (its
+    guesses of copied text run long and cost no drafting), 8 otherwise."""
     draft_prompt_lookup: bool = True
     """Use prompt-lookup guesses (prompt_lookup_min/max) beside the drafter. Draft-model chains: the guesses
     ride along in the draft's forwards (a run the draft would have drafted anyway costs one forward). Trees
@@ -78,7 +79,7 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 32):
             raise ValueError(f"num_speculative_tokens must be 'auto' or an integer in [0, 32], got {k!r}")
-        if not 1 <= self.max_speculative_tokens <= 32:
+        if self.max_speculative_tokens is not None and not 1 <= self.max_speculative_tokens <= 32:
             raise ValueError(f"max_speculative_tokens must be in [1, 32], got {self.max_speculative_tokens}")
         if self.method in NEEDS_MODEL and not self.model:
             raise ValueError(f'method "{self.method}" needs "model": {NEEDS_MODEL[self.method]}')
@@ -105,7 +106,11 @@ class SpeculativeConfig:
     @property
     def k_max(self) -> int:
         k = self.num_speculative_tokens
-        return self.max_speculative_tokens if k == "auto" else int(k)
+        if k != "auto":
+            return int(k)
+        if self.max_speculative_tokens is not None:
+            return self.max_speculative_tokens
+        return 16 if self.method == "suffix" else 8
 
     @property
     def tree_width(self) -> int:

@@ -42,10 +42,10 @@ class SuffixSource:
         mine = [list(tokens[int(e) + 1 : int(e) + 1 + depth]) for e in ends]
         theirs = self.store.occurrences(tenant, tokens, MAX_MATCH, depth) if shared and self.store else None
         if theirs is None or theirs.length < max(self.min_n, own.n if mine else 0):
-            return ContinuationTrie(mine, depth)
+            return ContinuationTrie(mine, depth, own.n if mine else 0)
         if theirs.length > own.n or not mine:
-            return ContinuationTrie(theirs.continuations, depth)
-        return ContinuationTrie(mine + theirs.continuations, depth)
+            return ContinuationTrie(theirs.continuations, depth, theirs.length)
+        return ContinuationTrie(mine + theirs.continuations, depth, own.n)
 
     def chain(self, tokens: Sequence[int], tenant: str | None, n: int, shared: bool = True) -> list[int]:
         """Up to n guessed tokens (the most frequent continuation); [] without a match."""

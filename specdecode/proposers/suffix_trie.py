@@ -32,8 +32,10 @@ class ContinuationTrie:
     """The continuations of a suffix's occurrences, merged. Ties between equally frequent branches go to the one
     inserted first, so callers pass the newest occurrence first: recent text predicts best."""
 
-    def __init__(self, continuations: Sequence[Sequence[int]], max_depth: int) -> None:
+    def __init__(self, continuations: Sequence[Sequence[int]], max_depth: int, match_length: int = 0) -> None:
         self.total = len(continuations)
+        self.match_length = match_length
+        """Tokens of the suffix whose occurrences these continuations follow."""
         self._children: list[dict[int, int]] = [{}]  # trie node -> {token: child}; node 0 is the root
         self._counts = [self.total]
         self._tokens = [-1]
