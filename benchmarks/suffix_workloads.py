@@ -97,7 +97,7 @@ def extraction(n: int, seed: int) -> list[dict]:
         prompt = ("Extract the order from this message as one JSON object with exactly these keys: "
                   '"customer", "city", "order_id" (integer), "product", "quantity" (integer), "unit_price" '
                   '(number), "total" (number), "status". Answer with the JSON object only.\n\n' + note)
-        rows.append({"id": f"extract-{i}", "category": "extraction", "prompt": prompt})
+        rows.append({"id": f"extract-{i}", "category": "repeated_format", "prompt": prompt})
     return rows
 
 
