@@ -41,22 +41,19 @@ class SpeculativeConfig:
     """Draft model (alias, .gguf file or HF directory) for "draft"; the head directory (from
     `specdecode train-head`) for "eagle" and "medusa" (default: the head shipped for the target)."""
     prompt_lookup_min: int = 2
-    """Shortest suffix n-gram the n-gram proposer matches."""
+    """Shortest suffix n-gram the n-gram proposer and the suffix lookups match."""
     prompt_lookup_max: int = 5
     """Longest suffix n-gram tried first."""
     max_speculative_tokens: int | None = None
     """Upper bound on k when num_speculative_tokens is "auto". None = the method's default: 16 for "suffix" (its
     guesses of copied text run long and cost no drafting), 8 otherwise."""
     draft_prompt_lookup: bool = True
-    """Use prompt-lookup guesses (prompt_lookup_min/max) beside the drafter. Draft-model chains: the guesses
-    ride along in the draft's forwards (a run the draft would have drafted anyway costs one forward). Trees
-    (draft model, EAGLE, Medusa): the guess is grafted onto the tree as one more branch. Every drafter: a step
-    verifies the guess alone (the drafter not run) when that promises more tokens per second than drafting."""
-    suffix_scope: str = "global"
-    """Whose earlier answers the suffix lookups read (SUFFIX_SCOPES): "global" (every request of this server or
-    `LLM`), "key" (requests with the same cache_salt), "request" (none: the request's own text only)."""
-    suffix_cache_tokens: int = 1 << 20
-    """Tokens of earlier answers kept for suffix lookups, over every scope (least recently added evicted)."""
+    """Use lookup guesses beside the drafter: the suffix source's (the most frequent continuation of the text's
+    longest matched suffix, of prompt_lookup_min to 16 tokens, in the request and in earlier answers of its
+    suffix_scope). Draft-model chains: the guesses ride along in the draft's forwards (a run the draft would have
+    drafted anyway costs one forward). Trees (draft model, EAGLE, Medusa): the guess is grafted onto the tree as
+    one more branch. Every drafter: a step verifies the guess alone (the drafter not run) when that promises more
+    tokens per second than drafting."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
     draft_tree_width: int | None = None

@@ -86,3 +86,21 @@ def test_a_seeded_sampled_request_does_not_depend_on_earlier_answers(tiny_llama_
     b = llm.generate(prompts, params)
     assert llm.lookup is not None and llm.lookup.store is not None and llm.lookup.store.tokens > 0
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_suffix_flags_tune_a_speculative_config_and_bad_values_are_refused() -> None:
+    from specdecode.cli import build_parser
+    from specdecode.cli_args import speculative_config_from_args
+    from specdecode.config import SpeculativeConfig
+
+    args = build_parser().parse_args(["serve", "--method", "suffix", "--suffix-scope", "key",
+                                      "--suffix-cache-tokens", "1000"])
+    cfg = SpeculativeConfig.from_any(speculative_config_from_args(args))
+    assert cfg is not None and (cfg.method, cfg.suffix_scope, cfg.suffix_cache_tokens) == ("suffix", "key", 1000)
+    assert cfg.k_max == 16 and SpeculativeConfig("ngram").k_max == 8
+    alone = build_parser().parse_args(["serve", "--suffix-scope", "key"])
+    assert speculative_config_from_args(alone) is None  # no speculation asked for: none made
+    with pytest.raises(ValueError, match="suffix_scope"):
+        SpeculativeConfig("suffix", suffix_scope="tenant")
+    with pytest.raises(ValueError, match="suffix_cache_tokens"):
+        SpeculativeConfig("suffix", suffix_cache_tokens=-1)

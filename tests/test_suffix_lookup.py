@@ -6,12 +6,16 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdecode.proposers.base import ProposeRow, SequenceView
+from specdecode.proposers.suffix import SuffixRows
 from specdecode.proposers.suffix_index import SuffixIndex, SuffixStore
 from specdecode.proposers.suffix_source import PROMPT_CONTEXT, SuffixSource
 from specdecode.proposers.suffix_trie import ContinuationTrie
+from specdecode.sampling import SamplingParams
 
 
 def test_the_trie_counts_continuations_and_ranks_nodes_by_their_share() -> None:
@@ -130,3 +134,29 @@ def test_the_source_keeps_an_answer_with_the_end_of_its_prompt() -> None:
     source.remember(None, prompt, len(prompt))  # no output: nothing kept
     assert store.tokens == PROMPT_CONTEXT + len(output)
     assert source.chain([5, 118, 119], None, 3) == [1, 2, 3]  # the start of an answer is guessed
+
+
+def _row(tokens: list[int], k: int, temperature: float = 0.0) -> ProposeRow:
+    view = SequenceView(tokens, 1, SamplingParams(temperature=temperature), torch.Generator())
+    return ProposeRow(0, view, k, k)
+
+
+def test_the_suffix_proposer_drafts_at_most_k_nodes_and_one_per_matched_token() -> None:
+    rows = SuffixRows(SuffixSource(2, SuffixStore("global")))
+    copy = list(range(10, 30))
+    (long,) = rows.propose([_row(copy + [0] + copy[:12], 8)])  # a 12-token match: the copy goes on
+    assert long.tokens == copy[12:20] and long.parents == list(range(8))
+    (short,) = rows.propose([_row([1, 2, 5, 6, 7, 0, 1, 2], 8)])  # a 2-token match: two nodes at most
+    assert short.tokens == [5, 6]
+    branching = [3, 0, 1, 2, 5, 9, 4, 0, 1, 2, 5, 9, 7, 0, 1, 2, 6, 9, 8, 0, 1, 2]  # 0 1 2 -> 5 9 twice, 6 9 once
+    (tree,) = rows.propose([_row(branching, 3)])
+    assert tree.tokens == [5, 9, 6] and tree.parents == [0, 1, 0]  # the likelier path, then the sibling
+    assert rows.propose([_row([1, 2, 3], 4)])[0].tokens == []
+
+
+def test_the_suffix_proposer_reads_earlier_answers_for_greedy_rows_only() -> None:
+    store = SuffixStore("global")
+    rows = SuffixRows(SuffixSource(2, store))
+    store.remember(None, [7, 8, 9, 10, 11, 12])
+    assert rows.propose([_row([0, 7, 8, 9], 3)])[0].tokens == [10, 11, 12]
+    assert rows.propose([_row([0, 7, 8, 9], 3, temperature=0.7)])[0].tokens == []
