@@ -54,6 +54,11 @@ class SpeculativeConfig:
     drafted anyway costs one forward). Trees (draft model, EAGLE, Medusa): the guess is grafted onto the tree as
     one more branch. Every drafter: a step verifies the guess alone (the drafter not run) when that promises more
     tokens per second than drafting."""
+    suffix_scope: str = "global"
+    """Whose earlier answers the suffix lookups read (SUFFIX_SCOPES): "global" (every request of this server or
+    `LLM`), "key" (requests with the same cache_salt), "request" (none: the request's own text only)."""
+    suffix_cache_tokens: int = 1 << 20
+    """Tokens of earlier answers kept for suffix lookups, over every scope (least recently added evicted)."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
     draft_tree_width: int | None = None
