@@ -66,7 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="server batch rows (default: 16, or the highest concurrency if more), the same server for "
                         "a partial rerun as for the full table")
-    p.add_argument("--suffix-scope", default=None, help="the server's --suffix-scope")
     p.add_argument("--salt-per-pass", action="store_true",
                    help="give every pass (level, round, mode) its own cache_salt: with --suffix-scope key a pass "
                         "drafts from its own earlier answers only, never from another pass's answers to the same "

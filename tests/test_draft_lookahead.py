@@ -11,8 +11,9 @@ from specdecode import LLM, SamplingParams
 from specdecode.model.load import load_model
 from specdecode.proposers.base import Draft, ProposeRow, SequenceView
 from specdecode.proposers.draft_rows import DraftModelRows
+from specdecode.proposers.suffix_source import SuffixSource
 
-LOOKUP = (2, 5)
+LOOKUP = SuffixSource(2)
 
 
 class BigramModel(torch.nn.Module):
