@@ -243,22 +243,39 @@ def _batch_step(policy: AdaptiveK, accepted: int = 1) -> int:
 
 def test_a_row_the_batch_keeps_at_k0_still_probes() -> None:
     """The row's own choice is k > 0, so it never chooses k = 0 itself; the batch cap sets it to 0 every step.
-    The streak counts what the row drafted, after the cap: it probes, and a probe the batch defers for a whole
-    interval runs anyway, so the row learns within two intervals."""
+    The streak counts what the row drafted, after the cap: it probes, and a probe the batch of 8 defers for an
+    interval per row runs anyway (a probe widens every row's forward: a batch probes about as often as a row
+    alone)."""
     policy = AdaptiveK(CostModel.from_points({1: 0.05, 8: 0.055}, 8))  # its own (lone row) costs: drafting pays
     assert policy.next_k(4) > 0
-    ks = [_batch_step(policy) for _ in range(2 * policy.probe_interval + 1)]
-    assert ks == [0] * 2 * policy.probe_interval + [1]  # deferred for an interval, then due
+    due = (1 + 8) * policy.probe_interval
+    ks = [_batch_step(policy) for _ in range(due + 1)]
+    assert ks == [0] * due + [1]  # deferred for an interval per row, then due
     assert policy.observed_positions == 1 and policy.accepted_positions == 1
 
 
 def test_an_accepted_probe_resets_the_streak_and_a_rejected_one_widens_the_interval() -> None:
     policy = AdaptiveK(CostModel.from_points({1: 0.05, 8: 0.055}, 8))
-    for _ in range(2 * policy.probe_interval + 1):
+    for _ in range(9 * policy.probe_interval + 1):
         _batch_step(policy, accepted=0)
     assert policy.probe_interval == 32  # the probe was rejected
-    ks = [_batch_step(policy, accepted=0) for _ in range(2 * 32 + 1)]
-    assert ks == [0] * 64 + [1]
+    ks = [_batch_step(policy, accepted=0) for _ in range(9 * 32 + 1)]
+    assert ks == [0] * 9 * 32 + [1]
+
+
+def test_a_waiting_probe_rides_along_a_step_that_is_wide_anyway() -> None:
+    """A row that drafts widens every row's forward (rows are padded to the widest): the probes the cap defers
+    run with it, so the batch's probes share widened forwards."""
+    from specdecode.engine.schedule import PreferredDraft, choose_lengths
+
+    waiting = AdaptiveK(CostModel.from_points({1: 0.05, 8: 0.055}, 8))
+    for _ in range(waiting.probe_interval):
+        _batch_step(waiting)
+    assert waiting.next_k(4) == 1 and waiting.probing and not waiting.probe_due(8)
+    drafting = PreferredDraft(3, AdaptiveK(fixed_k=3))
+    plain = [PreferredDraft(0, AdaptiveK(fixed_k=0)) for _ in range(6)]
+    assert choose_lengths([PreferredDraft(1, waiting), drafting, *plain], BATCH, 1, 4).ks[:2] == [1, 3]
+    assert choose_lengths([PreferredDraft(1, waiting), *plain], BATCH, 1, 4).ks[0] == 0  # nothing to ride
 
 
 def test_a_forced_plain_step_is_not_counted() -> None:

@@ -111,7 +111,9 @@ class AdaptiveK:
     a proposer that turns useful is noticed within 65 steps; an accepted probe resets the
     interval. A probe also feeds the tracker, so a useless drafter's α_0 keeps falling and k
     stays 0. In a batch the cap may defer a probe that does not pay (engine/schedule.py), by
-    at most one more interval: then the probe is due (``probe_due``) and runs whatever it costs.
+    at most one interval per row of the batch: then the probe is due (``probe_due``) and runs whatever it costs
+    (every row's due probes together cost the batch about what one lone row's cost it); meanwhile it runs with
+    any step whose forward is wider than a token a row anyway.
     A probe that the row's lookup guess replaces (engine/lookup_guess.py) starts a new interval;
     a drafter that would not pay even with every draft accepted is never probed.
     """
@@ -172,10 +174,10 @@ class AdaptiveK:
         """The last next_k() was a probe (k = 1 after a run of steps that drafted nothing)."""
         return self._probing
 
-    @property
-    def probe_due(self) -> bool:
-        """The last next_k() was a probe the batch has deferred for a whole interval already: it runs now."""
-        return self._probing and self._zero_streak >= 2 * self.probe_interval
+    def probe_due(self, rows: int = 1) -> bool:
+        """The last next_k() was a probe that a batch of `rows` rows has deferred for `rows` intervals already: it
+        runs now. A probe widens the whole batch's forward, so a batch probes about as often as one row alone."""
+        return self._probing and self._zero_streak >= (1 + max(1, rows)) * self.probe_interval
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """Feed back one step's outcome (the proposer may have drafted fewer than k, the batch may have cut k)."""

@@ -5,7 +5,9 @@ target forward over every row's nodes, padded to the widest row, so what a row's
 the others: a tree row may verify as many nodes as the forward over all rows affords almost for free
 (`tree_node_budget` at this many rows), which falls toward a chain as rows join; and one batch-wide cap on
 the adaptive rows' k maximises the batch's expected tokens per second, which falls toward k = 0 under
-load. A row that proposes its prompt-lookup guess alone is priced as a chain without draft steps or catch-up.
+load. Rows are padded to the widest, so a step whose forward is wider than a token a row anyway lets every
+row's waiting probe run with it (unless its drafter must catch up first). A row that proposes its prompt-lookup
+guess alone is priced as a chain without draft steps or catch-up.
 A k fixed by the server or by the request is honoured.
 """
 
@@ -43,8 +45,8 @@ class PreferredDraft:
         estimate alive). In a batch a probe widens every row's forward (rows are padded to the widest), and a
         probe whose drafter must first catch up (a draft model that has not drafted for a while feeds it all)
         pays that catch-up: either is capped like any k, so the batch pays for a probe only where it pays back;
-        but a probe deferred for a whole interval is due and runs, so no row stays at k = 0 unprobed."""
-        if self.policy is None or self.policy.fixed_k is not None or self.policy.probe_due:
+        but a probe deferred for an interval per row is due and runs, so no row stays at k = 0 unprobed."""
+        if self.policy is None or self.policy.fixed_k is not None or self.policy.probe_due(rows):
             return False
         return not self.policy.probing or self.catch_up_seconds > 0 or rows > 1
 
@@ -107,7 +109,11 @@ def choose_lengths(preferred: list[PreferredDraft], cost: CostModel | None, tree
         rate = tokens / seconds
         if rate > best_rate * (1 + 1e-9):
             best_cap, best_rate = cap, rate
-    return Lengths([w.k if f else min(w.k, best_cap) for w, f in zip(preferred, free, strict=True)], budget)
+    ks = [w.k if f else min(w.k, best_cap) for w, f in zip(preferred, free, strict=True)]
+    if max(ks) > 0:  # the forward is wider than a token a row anyway: the probes waiting for a turn ride along
+        ks = [max(k, 1) if w.policy is not None and w.policy.probing and not w.catch_up_seconds else k
+              for w, k in zip(preferred, ks, strict=True)]
+    return Lengths(ks, budget)
 
 
 def row_cost(cost: CostModel, tree_width: int, k_max: int) -> CostModel:
