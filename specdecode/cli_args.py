@@ -125,7 +125,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "draft from: global (every request of this server; the default), key (requests with the "
                         "same cache_salt), request (none: each request's own text)")
     p.add_argument("--suffix-cache-tokens", type=int, default=None,
-                   help="tokens of earlier answers kept for suffix lookups, oldest evicted first (default 1048576)")
+                   help="tokens of earlier answers kept for suffix lookups, oldest evicted first, at most about "
+                        "1 KB each (default 131072)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="on torch's fallback kernels (no AVX512-BF16), compute every token of the target's "
                         "forwards as if alone (--dtype fp32), at one pass over the weights per token; our kernels "

@@ -57,8 +57,9 @@ class SpeculativeConfig:
     suffix_scope: str = "global"
     """Whose earlier answers the suffix lookups read (SUFFIX_SCOPES): "global" (every request of this server or
     `LLM`), "key" (requests with the same cache_salt), "request" (none: the request's own text only)."""
-    suffix_cache_tokens: int = 1 << 20
-    """Tokens of earlier answers kept for suffix lookups, over every scope (least recently added evicted)."""
+    suffix_cache_tokens: int = 1 << 17
+    """Tokens of earlier answers kept for suffix lookups, over every scope (least recently added evicted; at most
+    about 1 KB each)."""
     draft_dtype: str = "auto"
     """Precision of the draft model ("auto" = the target's); it never changes the output, only speed."""
     draft_tree_width: int | None = None

@@ -160,3 +160,25 @@ def test_the_suffix_proposer_reads_earlier_answers_for_greedy_rows_only() -> Non
     store.remember(None, [7, 8, 9, 10, 11, 12])
     assert rows.propose([_row([0, 7, 8, 9], 3)])[0].tokens == [10, 11, 12]
     assert rows.propose([_row([0, 7, 8, 9], 3, temperature=0.7)])[0].tokens == []
+
+
+def test_the_store_holds_at_most_its_bytes_per_token() -> None:
+    """The bytes /metrics reports bound what the store holds: answers of random tokens (every n-gram new, the
+    most an index can hold per token)."""
+    import random
+    import tracemalloc
+
+    from specdecode.proposers.suffix_index import BYTES_PER_TOKEN
+
+    rng = random.Random(0)
+    answers = [[rng.randrange(300, 150_000) for _ in range(200)] for _ in range(100)]
+    tracemalloc.start()
+    try:
+        store = SuffixStore("global")
+        for answer in answers:
+            store.remember(None, answer)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert store.tokens == 20_000
+    assert held / store.tokens <= BYTES_PER_TOKEN and store.approx_bytes == store.tokens * BYTES_PER_TOKEN

@@ -24,10 +24,12 @@ short one still matches where the long one has none. A match is at least the sho
 CANDIDATES = 64
 """Occurrences a query extends at most (the newest): bounds a query's time however common its n-gram."""
 SCOPES = ("global", "key", "request")
-DEFAULT_MAX_TOKENS = 1 << 20
-"""Tokens of earlier answers a store holds by default (tens of MB)."""
-BYTES_PER_TOKEN = 4 + len(KEY_LENGTHS) * 40
-"""Approximate memory per token held: the token, and an entry in each key's index (with the keys' share)."""
+DEFAULT_MAX_TOKENS = 1 << 17
+"""Tokens of earlier answers a store holds by default (at most about 130 MB, `BYTES_PER_TOKEN`)."""
+BYTES_PER_TOKEN = 1000
+"""Memory per token held, at most: Python's objects for the token and its entry under each key, as tracemalloc
+measures it on answers of random tokens, where every n-gram is new (tests/test_suffix_lookup.py); real text
+repeats n-grams and holds less."""
 
 
 @dataclass(frozen=True)
