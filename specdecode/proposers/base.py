@@ -1,7 +1,8 @@
 """What every proposer offers the engine: declared capabilities, `configure`, `begin`, `propose`, `on_verified`.
 
 The engine talks to a `BatchProposer`: one object for every row of the batch, whose `propose` is one call for
-all rows (n-gram's `NgramRows`, the draft model's `DraftModelRows`, EAGLE's `EagleRows`, Medusa's `MedusaRows`).
+all rows (the lookups n-gram's `NgramRows` and suffix decoding's `SuffixRows`, both `LookupRows`; the draft
+model's `DraftModelRows`, EAGLE's `EagleRows`, Medusa's `MedusaRows`).
 Each keeps its rows' drafting state in a dict keyed by the row's key. The engine never probes a proposer's
 attributes: what it may do is declared in `Capabilities`, its costs come from `step_cost_hint` /
 `catch_up_token_seconds`, and the memory its rows hold from `state_bytes`.
@@ -132,3 +133,42 @@ class BatchProposer(Protocol):
     def state_bytes(self, rows: int) -> int:
         """Bytes of the drafting state `rows` rows hold once allocated (caches, the target's features), for
         memory checks before allocating and for the benchmark's report."""
+
+
+class LookupRows:
+    """The stateless part of a `BatchProposer` whose drafts are lookups (n-gram, suffix): it reads no model and
+    holds no row state, so nothing is fed, measured or allocated and drafting is free. Subclasses give `name`
+    and `propose`."""
+
+    name: str
+    capabilities = Capabilities(lookup=True)
+
+    def configure(self, cost: CostModel) -> None:
+        pass
+
+    def reserve(self, rows: int) -> None:
+        pass
+
+    def begin(self, key: int, seq: SequenceView) -> None:
+        pass
+
+    def release(self, key: int) -> None:
+        pass
+
+    def observe_hidden(self, key: int, hidden: torch.Tensor) -> None:
+        pass
+
+    def on_verified(self, key: int, seq: SequenceView, num_accepted: int, own_accepted: int) -> None:
+        pass
+
+    def catch_up_tokens(self, key: int, seq: SequenceView) -> int:
+        return 0
+
+    def step_cost_hint(self) -> float:
+        return 0.0
+
+    def catch_up_token_seconds(self) -> float:
+        return 0.0
+
+    def state_bytes(self, rows: int) -> int:
+        return 0

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import math
 
-import torch
-
-from specdecode.cost_model import CostModel
-from specdecode.proposers.base import Capabilities, Draft, ProposeRow, SequenceView
+from specdecode.proposers.base import Draft, LookupRows, ProposeRow
 from specdecode.proposers.suffix_source import SuffixSource
 
 MIN_NODE_PROB = 0.1
@@ -21,26 +18,13 @@ SPEC_FACTOR = 1.0
 that tends to stop soon, and the nodes it would not keep cost verification."""
 
 
-class SuffixRows:
-    """A `BatchProposer` drafting every row's suffix tree."""
+class SuffixRows(LookupRows):
+    """A `BatchProposer` drafting every row's suffix tree (priced as a chain of k nodes: the module doc)."""
 
     name = "suffix"
-    capabilities = Capabilities(lookup=True)  # priced as a chain of k nodes (the module doc)
 
     def __init__(self, source: SuffixSource) -> None:
         self.source = source
-
-    def configure(self, cost: CostModel) -> None:
-        pass
-
-    def reserve(self, rows: int) -> None:
-        pass
-
-    def begin(self, key: int, seq: SequenceView) -> None:
-        pass
-
-    def release(self, key: int) -> None:
-        pass
 
     def propose(self, rows: list[ProposeRow]) -> list[Draft]:
         drafts = []
@@ -49,21 +33,3 @@ class SuffixRows:
             tree = trie.tree(min(r.k, math.ceil(SPEC_FACTOR * trie.match_length)), MIN_NODE_PROB)
             drafts.append(Draft(tree.tokens, None, tree.parents))
         return drafts
-
-    def observe_hidden(self, key: int, hidden: torch.Tensor) -> None:
-        pass
-
-    def on_verified(self, key: int, seq: SequenceView, num_accepted: int, own_accepted: int) -> None:
-        pass
-
-    def catch_up_tokens(self, key: int, seq: SequenceView) -> int:
-        return 0
-
-    def step_cost_hint(self) -> float:
-        return 0.0
-
-    def catch_up_token_seconds(self) -> float:
-        return 0.0
-
-    def state_bytes(self, rows: int) -> int:
-        return 0

@@ -37,8 +37,7 @@ class SuffixSource:
         if depth <= 0:
             return ContinuationTrie([], 0)
         own = match_suffix(tokens, self.min_n, max(self.min_n, MAX_MATCH))
-        length = len(tokens)
-        ends = own.ends[own.ends < length - 1][-OWN_OCCURRENCES:][::-1]  # newest first, each with a token after it
+        ends = own.ends[-OWN_OCCURRENCES:][::-1]  # newest first (each has a token after it)
         mine = [list(tokens[int(e) + 1 : int(e) + 1 + depth]) for e in ends]
         theirs = self.store.occurrences(tenant, tokens, MAX_MATCH, depth) if shared and self.store else None
         if theirs is None or theirs.length < max(self.min_n, own.n if mine else 0):
