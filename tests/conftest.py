@@ -7,7 +7,7 @@ that could flip between a k-token and a 1-token forward.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -49,12 +49,14 @@ def _save_tokenizer(path: Path, vocab_size: int) -> int:
     return len(fast)
 
 
-def make_tiny_hf_dir(path: Path, arch: str = "llama", seed: int = 0, tie: bool = False) -> Path:
-    """A random tiny model + tokenizer, saved like a Hugging Face checkpoint directory."""
+def make_tiny_hf_dir(path: Path, arch: str = "llama", seed: int = 0, tie: bool = False,
+                     save_tokenizer: Callable[[Path], int] | None = None) -> Path:
+    """A random tiny model + tokenizer (the byte-level BPE of 320 ids, or what `save_tokenizer` saves, returning
+    its size), saved like a Hugging Face checkpoint directory."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab = _save_tokenizer(path, 320)
+    vocab = save_tokenizer(path) if save_tokenizer is not None else _save_tokenizer(path, 320)
     common = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=tie,

@@ -4,7 +4,8 @@ The target is a one-layer model whose attention and MLP outputs are zeroed, so i
 depend only on the last token: a Markov chain over a 6-token vocabulary, whose exact distribution of the
 first three sampled tokens is a finite product (`markov_joint`), i.e. what plain sampling draws. Requests
 run 16 at a time through `Engine` with a random draft model that drafts every row in one forward (a sampled
-chain, with its probabilities, or a tree of point masses); the histogram of their first three tokens must
+chain, with its probabilities, or a tree of point masses; or, over another vocabulary, a greedy chain whose text
+is re-tokenized into the target's letters); the histogram of their first three tokens must
 pass a chi-square test against that distribution. The negative control verifies without the residual
 distribution (a rejected candidate's mass is not removed before the next candidate or the recovered token):
 it must fail.
@@ -12,6 +13,8 @@ Every request has its own seed, so the test is deterministic.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,10 +25,13 @@ from specdecode.engine.core import Engine
 from specdecode.engine.sequence import Sequence
 from specdecode.model.config import ModelConfig
 from specdecode.model.transformer import Transformer
+from specdecode.proposers.base import BatchProposer
+from specdecode.proposers.cross_vocab_rows import CrossVocabDraftRows
 from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.proposers.suffix import SuffixRows
 from specdecode.proposers.suffix_index import SuffixStore
 from specdecode.proposers.suffix_source import SuffixSource
+from specdecode.proposers.text_bridge import TextBridge
 from specdecode.sampling import SamplingParams
 from specdecode.verify import tree as tree_verify
 
@@ -51,8 +57,8 @@ class _NoText:
         return ""
 
 
-def _model(seed: int, markov: bool) -> Transformer:
-    cfg = ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1,
+def _model(seed: int, markov: bool, vocab: int = VOCAB) -> Transformer:
+    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
                       max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False)
     torch.manual_seed(seed)
@@ -72,6 +78,21 @@ def _model(seed: int, markov: bool) -> Transformer:
 
 TARGET = _model(0, markov=True)
 DRAFT = _model(1, markov=False)
+CROSS_DRAFT = _model(2, markov=False, vocab=8)
+"""A draft over another vocabulary: the target's six letters in another order, and "ab" and "cd" merged."""
+
+
+def _letters(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Any:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=merges)))
+
+
+def _cross_bridge() -> TextBridge:
+    target = _letters({c: i for i, c in enumerate("abcdef")}, [])
+    draft = _letters({**{c: i for i, c in enumerate("fedcba")}, "ab": 6, "cd": 7}, [("a", "b"), ("c", "d")])
+    return TextBridge(target, draft)
 
 
 def _transition_logits() -> torch.Tensor:
@@ -84,10 +105,16 @@ def _transition_logits() -> torch.Tensor:
 
 def _sample(tree_width: int, k: int, drafter: str = "draft") -> np.ndarray:
     """`drafter`: "draft" (the random draft model), "draft+suffix" (with the suffix source's guesses grafted or
-    riding along) or "suffix" (trees of what earlier answers did after the suffix: point masses from data)."""
+    riding along), "suffix" (trees of what earlier answers did after the suffix: point masses from data) or
+    "cross" (a draft over another vocabulary: its greedy continuation re-tokenized, a point mass)."""
     lookup = SuffixSource(1, SuffixStore("global")) if "suffix" in drafter else None
-    proposer = (SuffixRows(lookup) if drafter == "suffix" else  # every row in one forward
-                DraftModelRows(DRAFT, 32, tree_width=tree_width, tree_branching=2, prompt_lookup=lookup))
+    proposer: BatchProposer
+    if drafter == "suffix":
+        proposer = SuffixRows(lookup)
+    elif drafter == "cross":
+        proposer = CrossVocabDraftRows(CROSS_DRAFT, 32, _cross_bridge())
+    else:  # every row in one forward
+        proposer = DraftModelRows(DRAFT, 32, tree_width=tree_width, tree_branching=2, prompt_lookup=lookup)
     engine = Engine(TARGET, 32, proposer, k_max=k, fixed_k=k, max_num_seqs=16, max_waiting=None, lookup=lookup)
     seqs = [Sequence(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), _NoText(), VOCAB, torch.device("cpu"), 0)
             for i in range(NUM_REQUESTS)]
@@ -106,8 +133,9 @@ def _exact() -> np.ndarray:
     return markov_joint(_transition_logits(), params, PROMPT[-1], NUM_EMITTED)
 
 
-CASES = [(1, 2, "draft"), (2, 2, "draft"), (1, 2, "draft+suffix"), (2, 2, "draft+suffix"), (0, 3, "suffix")]
-IDS = ["chain", "tree", "chain+suffix", "tree+suffix", "suffix"]
+CASES = [(1, 2, "draft"), (2, 2, "draft"), (1, 2, "draft+suffix"), (2, 2, "draft+suffix"), (0, 3, "suffix"),
+         (1, 3, "cross")]
+IDS = ["chain", "tree", "chain+suffix", "tree+suffix", "suffix", "cross-vocab"]
 
 
 @pytest.mark.parametrize(("tree_width", "k", "drafter"), CASES, ids=IDS)

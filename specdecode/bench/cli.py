@@ -35,8 +35,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--methods", type=_csv, default=None,
                    help="comma list of methods: " + METHOD_HELP + " (default: plain,ngram,draft with --draft, "
                         "else plain,ngram)")
-    b.add_argument("--draft", default=None, help="draft model for draft methods and transformers' assisted "
-                                                 "generation (alias, .gguf or HF directory)")
+    b.add_argument("--draft", type=_csv, default=[],
+                   help="draft model for draft methods and transformers' assisted generation (alias, .gguf or HF "
+                        "directory); more, as LABEL=MODEL, for methods like draft:LABEL, to compare drafts in one "
+                        "run (comma list)")
     b.add_argument("--compare-table", action="store_true",
                    help="the field's comparison table on the Qwen pair: methods plain,ngram,draft,eagle (+ medusa "
                         "with a Medusa --head), --draft qwen2.5-coder-0.5b-instruct unless given; see summary.md")
@@ -99,6 +101,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     heads = _heads_by_kind(args.head, args.model)
+    args.drafts, args.draft = args.draft, _drafts_by_label(args.draft, heads)
     if args.compare_table:
         args.draft = args.draft or COMPARE_DRAFT
         args.methods = args.methods or ["plain", "ngram", "draft", *[k for k in ("eagle", "medusa") if k in heads]]
@@ -126,6 +129,20 @@ def run_bench_command(args: argparse.Namespace) -> int:
 COMPARE_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
+def _drafts_by_label(entries: list[str], heads: dict[str, str]) -> str | None:
+    """The unlabelled draft model (None without one); each LABEL=MODEL goes into `heads` as draft:LABEL."""
+    plain = None
+    for entry in entries:
+        label, _, model = entry.rpartition("=")
+        if label:
+            heads[f"draft:{label}"] = model
+        elif plain is not None:
+            raise ValueError(f"--draft names two unlabelled drafts ({plain}, {model}); label the others LABEL=MODEL")
+        else:
+            plain = model
+    return plain
+
+
 def _heads_by_kind(paths: list[str], target: str) -> dict[str, str]:
     from specdecode.heads.persist import read_head_config
     from specdecode.heads.shipped import shipped_heads
@@ -143,8 +160,8 @@ def _command_line(args: argparse.Namespace) -> str:
     if sys.argv[1:2] == ["bench"]:
         return "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     parts = ["specdecode", "bench", "--model", args.model, "--methods", ",".join(args.methods)]
-    optional = {"--draft": args.draft, "--head": ",".join(args.head) if args.head else None,
-                "--dataset": args.dataset,
+    optional = {"--draft": ",".join(args.drafts) if args.drafts else None,
+                "--head": ",".join(args.head) if args.head else None, "--dataset": args.dataset,
                 "--tasks": ",".join(args.tasks) if args.tasks else None, "--per-task": args.per_task,
                 "--limit": args.limit, "--max-tokens": args.max_tokens, "--temperature": args.temperature,
                 "--seed": args.seed, "--dtype": args.dtype, "--device": args.device,

@@ -15,7 +15,8 @@ METHOD_HELP = ("plain, ngram, suffix, draft, eagle, medusa; -kN fixes k=N (else 
                "keeping N nodes per level (e.g. eagle-w2-k4: at most 8 nodes, like the chain eagle-chain-k8), -bN "
                "expanding each tree node into its top N tokens (default 4 for eagle, 2 otherwise); "
                "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; "
-               ":LABEL uses the head given as --head LABEL=DIR (eagle:v4; compares heads in one run); "
+               ":LABEL uses the head given as --head LABEL=DIR (eagle:v4; compares heads in one run) or the draft "
+               "given as --draft LABEL=MODEL (draft:small); "
                "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4, plain@gguf: the GGUF's "
                "own blocks; default exact); "
                "~FORMAT sets the draft's or head's weight format (e.g. draft~int4-hybrid; default auto)")
@@ -58,16 +59,17 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
             or (m.group(4) and m.group(1) not in ("draft", "eagle", "medusa"))):
         raise ValueError(f"unknown method {name!r}: {METHOD_HELP}")
     kind, shape, branching, nolookup, k = m.groups()
-    if label and kind not in ("eagle", "medusa"):
-        raise ValueError(f"method {name!r}: only eagle and medusa take a head label (:{label})")
+    if label and kind not in ("draft", "eagle", "medusa"):
+        raise ValueError(f"method {name!r}: only draft, eagle and medusa take a label (:{label})")
     full_name = f"{name}:{label}" if label else name
     if kind == "plain":
         return MethodSpec(name, None)
     cfg: dict[str, Any] = {"method": kind, "num_speculative_tokens": int(k) if k is not None else "auto"}
     if kind == "draft":
-        if not draft:
-            raise ValueError(f"method {name!r} needs --draft MODEL")
-        cfg["model"] = draft
+        model = (heads or {}).get(f"draft:{label}") if label else draft
+        if not model:
+            raise ValueError(f"method {full_name!r} needs --draft {label + '=' if label else ''}MODEL")
+        cfg["model"] = model
     if kind in ("eagle", "medusa"):
         key = f"{kind}:{label}" if label else kind
         head = (heads or {}).get(key)

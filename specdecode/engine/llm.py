@@ -24,7 +24,7 @@ from specdecode.engine.sequence import RequestOutput, Sequence
 from specdecode.engine.validation import (
     check_draft_rows,
     check_memory,
-    check_vocab_compatible,
+    cross_vocab_bridge,
     estimate_bytes,
 )
 from specdecode.fetch import resolve_model
@@ -46,6 +46,7 @@ from specdecode.model.load import (
     resolve_quantization,
 )
 from specdecode.proposers.base import BatchProposer
+from specdecode.proposers.cross_vocab_rows import cross_vocab_context
 from specdecode.sampling import SamplingParams
 from specdecode.tree import MAX_TREE_NODES
 
@@ -121,7 +122,7 @@ class LLM:
                              f"fp32 linears row by row), got dtype={dtype!r}, quantization={quantization!r}")
         target_cfg = read_config(target_path)
         self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, target_cfg.max_position_embeddings)
-        draft_path = draft_cfg = None
+        draft_path = draft_cfg = bridge = None
         drafter: tuple[str, Path, str] | None = None  # (name, file or directory, weight format)
         self.draft_quantization: str | None = None
         """The draft model's weight format as resolved at load (None without a draft model)."""
@@ -134,7 +135,11 @@ class LLM:
             draft_cfg = read_config(draft_path)
             self.draft_quantization = resolve_draft_quantization(spec.quantization, draft_path, draft_dtype,
                                                                  self.device)
-            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len, device=self.device,
+            # A draft with another tokenizer reads the target's text in its own ids (proposers/text_bridge.py).
+            bridge = cross_vocab_bridge(model, load_tokenizer(target_path), str(spec.model),
+                                        load_tokenizer(draft_path), spec.tree_width)
+            draft_len = self.max_model_len if bridge is None else cross_vocab_context(draft_cfg, self.max_model_len)
+            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, draft_len, device=self.device,
                                                   gguf_file=draft_path if self.draft_quantization == "gguf" else None)))
         check_memory(parts, self.device)  # before any weight is loaded
 
@@ -164,11 +169,9 @@ class LLM:
         draft_vocab = None
         if spec is not None and spec.method == "draft":
             assert draft_path is not None and draft_cfg is not None
-            # Refuse an incompatible draft before paying for its weights.
-            check_vocab_compatible(model, self.tokenizer, str(spec.model), load_tokenizer(draft_path))
-            # Same tokenizer, differently padded embeddings: the draft drafts over the real ids only.
-            draft_vocab = check_draft_rows(model, target_cfg.vocab_size, str(spec.model), draft_cfg.vocab_size,
-                                           self.tokenizer)
+            if bridge is None:  # same tokenizer, differently padded embeddings: drafts over the real ids only
+                draft_vocab = check_draft_rows(model, target_cfg.vocab_size, str(spec.model), draft_cfg.vocab_size,
+                                               self.tokenizer)
             draft_format = self.draft_quantization
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device,
                                        "gguf" if draft_format == "gguf" else "none")
@@ -178,7 +181,7 @@ class LLM:
         """The suffix source of lookups (and its store of earlier answers), shared by every engine of this `LLM`."""
         self.batch_factory: ProposerFactory | None = proposer_factory(
             spec, self.max_model_len, self.draft.model if self.draft is not None else None, draft_vocab, self.head,
-            self.lookup)
+            self.lookup, bridge)
         """max rows -> the engine's batch proposer: every row drafted together (one forward per level); None
         without speculation."""
         self.prefix_cache = (PrefixCache(int(prefix_cache_gb * 2**30))

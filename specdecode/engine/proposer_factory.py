@@ -13,6 +13,7 @@ from specdecode.config import SpeculativeConfig
 from specdecode.heads.modules import DraftHead, EagleHead, MedusaHeads
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import BatchProposer
+from specdecode.proposers.cross_vocab_rows import CrossVocabDraftRows
 from specdecode.proposers.draft_rows import DraftModelRows
 from specdecode.proposers.eagle_rows import EagleRows
 from specdecode.proposers.medusa_rows import MedusaRows
@@ -20,6 +21,7 @@ from specdecode.proposers.ngram import NgramRows
 from specdecode.proposers.suffix import SuffixRows
 from specdecode.proposers.suffix_index import SuffixStore
 from specdecode.proposers.suffix_source import SuffixSource
+from specdecode.proposers.text_bridge import TextBridge
 
 ProposerFactory = Callable[[int], BatchProposer]
 """max rows -> a batch proposer with its own drafting states."""
@@ -36,17 +38,20 @@ def lookup_source(spec: SpeculativeConfig | None) -> SuffixSource | None:
 
 def proposer_factory(spec: SpeculativeConfig | None, max_len: int, draft: Transformer | None = None,
                      draft_vocab: tuple[int, int] | None = None, head: DraftHead | None = None,
-                     lookup: SuffixSource | None = None) -> ProposerFactory | None:
+                     lookup: SuffixSource | None = None, bridge: TextBridge | None = None
+                     ) -> ProposerFactory | None:
     """The factory of batch proposers for `spec` (None without speculation). `draft`: the loaded draft model of
     the "draft" method, drafting over the target's ids (`draft_vocab`: its real and the target's row counts when
     they differ); `head`: the EAGLE or Medusa head attached to the target; `max_len`: the context length;
     `lookup`: the suffix source (`lookup_source`), which the suffix proposer drafts from and a draft model's
-    chains guess with."""
+    chains guess with; `bridge`: the draft's tokenizer differs from the target's and drafts cross as text."""
     if spec is None:
         return None
     width, branching = spec.tree_width, spec.tree_branching
     if spec.method == "draft":
         assert draft is not None, "the draft method needs its loaded draft model"
+        if bridge is not None:
+            return lambda rows: CrossVocabDraftRows(draft, max_len, bridge, max_rows=rows)
         return lambda rows: DraftModelRows(draft, max_len, width, branching, lookup, vocab=draft_vocab,
                                            max_rows=rows)
     if isinstance(head, EagleHead):

@@ -10,6 +10,7 @@ import torch
 from specdecode.model.bf16_linear import bf16_copies_weights
 from specdecode.model.config import ModelConfig
 from specdecode.model.tokenizer import Tokenizer
+from specdecode.proposers.text_bridge import TextBridge
 
 
 class IncompatibleDraftError(ValueError):
@@ -20,27 +21,47 @@ class InsufficientMemoryError(MemoryError):
     """Loading these models with these caches would exceed available memory."""
 
 
-def check_vocab_compatible(target_name: str, target: Tokenizer, draft_name: str, draft: Tokenizer) -> None:
-    """Refuse a draft whose token ids mean different strings, naming both models and the first ids."""
+def vocab_mismatch(target_name: str, target: Tokenizer, draft_name: str, draft: Tokenizer) -> str | None:
+    """Why the draft's token ids do not mean the target's strings (naming both models and the first ids), or
+    None where they do."""
     tv, dv = target.vocab(), draft.vocab()
     if len(tv) != len(dv):
         first = next((i for i in range(min(len(tv), len(dv))) if tv.get(i) != dv.get(i)), min(len(tv), len(dv)))
-        raise IncompatibleDraftError(
-            f"draft {draft_name!r} has a vocabulary of {len(dv)} tokens but target {target_name!r} has {len(tv)}; "
-            f"first differing id {first}: target {tv.get(first)!r} vs draft {dv.get(first)!r}"
-        )
+        return (f"draft {draft_name!r} has a vocabulary of {len(dv)} tokens but target {target_name!r} has "
+                f"{len(tv)}; first differing id {first}: target {tv.get(first)!r} vs draft {dv.get(first)!r}")
     diff = [i for i in sorted(tv) if tv[i] != dv.get(i)]
     if diff:
         shown = ", ".join(f"{i}: target {tv[i]!r} vs draft {dv.get(i)!r}" for i in diff[:3])
-        raise IncompatibleDraftError(
-            f"draft {draft_name!r} and target {target_name!r} map {len(diff)} token ids to different strings; "
-            f"first differing ids: {shown}"
-        )
+        return (f"draft {draft_name!r} and target {target_name!r} map {len(diff)} token ids to different strings; "
+                f"first differing ids: {shown}")
     ts, ds = target.special_tokens(), draft.special_tokens()
     if ts["eos"] != ds["eos"]:
-        raise IncompatibleDraftError(
-            f"draft {draft_name!r} ends with EOS id {ds['eos']} but target {target_name!r} with {ts['eos']}"
-        )
+        return f"draft {draft_name!r} ends with EOS id {ds['eos']} but target {target_name!r} with {ts['eos']}"
+    return None
+
+
+def check_vocab_compatible(target_name: str, target: Tokenizer, draft_name: str, draft: Tokenizer) -> None:
+    """Refuse a draft whose token ids mean different strings (`vocab_mismatch`)."""
+    if (why := vocab_mismatch(target_name, target, draft_name, draft)) is not None:
+        raise IncompatibleDraftError(why)
+
+
+def cross_vocab_bridge(target_name: str, target: Tokenizer, draft_name: str, draft: Tokenizer,
+                       tree_width: int) -> TextBridge | None:
+    """None where the draft shares the target's vocabulary; else the `TextBridge` its drafts cross by (as text).
+    Refused where that cannot work: a draft tree (its branches are the draft's ids, not the target's), or a
+    tokenizer without a fast (Rust) backend whose ids' bytes can be read."""
+    why = vocab_mismatch(target_name, target, draft_name, draft)
+    if why is None:
+        return None
+    if tree_width != 1:
+        raise IncompatibleDraftError(f"{why}. A draft with another tokenizer drafts chains only: leave "
+                                     f"draft_tree_width unset or 1 (got {tree_width})")
+    for name, tok in ((target_name, target), (draft_name, draft)):
+        if not hasattr(tok.hf, "backend_tokenizer"):
+            raise IncompatibleDraftError(f"{why}. Drafting across tokenizers needs fast tokenizers; {name!r} has "
+                                         "a slow (Python) one")
+    return TextBridge(target.hf, draft.hf)
 
 
 def check_draft_rows(target_name: str, target_rows: int, draft_name: str, draft_rows: int,

@@ -141,8 +141,12 @@ class DraftModelRows(RowTreeValues):
 
     def step_cost_hint(self) -> float:
         if self._costs is None:
-            self._costs = draft_step_costs(self.model, self.vocab, self.max_len + MAX_TREE_NODES)
+            self._costs = self._measure_costs()
         return self._costs[0]
+
+    def _measure_costs(self) -> tuple[float, float]:
+        """(seconds per drafted token, seconds per catch-up token), timed once."""
+        return draft_step_costs(self.model, self.vocab, self.max_len + MAX_TREE_NODES)
 
     def catch_up_token_seconds(self) -> float:
         self.step_cost_hint()
