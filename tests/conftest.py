@@ -98,6 +98,15 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny_qwen"), "qwen2", seed=2)
 
 
+@pytest.fixture(scope="session")
+def tiny_sentencepiece_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama over a SentencePiece-style vocabulary: a draft with another tokenizer than the
+    others' (tests/vocab_helpers.py)."""
+    from vocab_helpers import sentencepiece_tiny_dir
+
+    return sentencepiece_tiny_dir(tmp_path_factory.mktemp("tiny_sentencepiece"))
+
+
 @pytest.fixture(autouse=True)
 def _one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # Unit tests use small tensors: on a shared 2-core machine a second OpenMP thread only adds barrier

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import make_tiny_hf_dir
 from transformers import AutoTokenizer
-from vocab_helpers import permuted_copy, save_ascii_tokenizer, sentencepiece_tiny_dir
+from vocab_helpers import permuted_copy, save_ascii_tokenizer
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.validation import IncompatibleDraftError
@@ -28,8 +28,8 @@ EDGE_TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def sp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return sentencepiece_tiny_dir(tmp_path_factory.mktemp("sp_tiny"))
+def sp_dir(tiny_sentencepiece_dir: Path) -> Path:
+    return tiny_sentencepiece_dir
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The OpenAI-compatible server, driven by the official `openai` client over real HTTP on loopback.
 
-Two servers over the tiny fp32 Llama: prompt lookup (adaptive k) and a draft model that is the target
-itself (fixed k=3, so every draft is accepted and each step emits blocks of 4 tokens). Every greedy
+Servers over the tiny fp32 Llama: prompt lookup (adaptive k), a draft model that is the target itself (fixed
+k=3, so every draft is accepted and each step emits blocks of 4 tokens), suffix decoding, and a draft with another
+tokenizer. Every greedy
 answer must equal `LLM.generate` of a plain fp32 LLM alone, streamed or not, with or without speculation.
 """
 
@@ -72,7 +73,19 @@ def suffix_server(tiny_llama_dir: Path) -> Iterator[LiveServer]:
     server.stop()
 
 
-@pytest.fixture(params=["ngram", "draft", "suffix"])
+@pytest.fixture(scope="module")
+def cross_server(tiny_llama_dir: Path, tiny_sentencepiece_dir: Path) -> Iterator[LiveServer]:
+    """A draft with another tokenizer (SentencePiece-style, its own chat template)."""
+    spec = {"method": "draft", "model": str(tiny_sentencepiece_dir), "num_speculative_tokens": 3}
+    llm = _llm(tiny_llama_dir, spec)
+    engine = llm.batch_engine(max_num_seqs=4, max_waiting=16)
+    engine.cost = None  # a fixed k of 3, drafted whatever the cost (as draft_server)
+    server = _serve(llm, engine=engine)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["ngram", "draft", "suffix", "cross"])
 def server(request: pytest.FixtureRequest) -> LiveServer:
     return request.getfixturevalue(f"{request.param}_server")
 

@@ -15,6 +15,12 @@ from specdecode.bench.run_config import BenchConfig
 from specdecode.bench.run_state import RunState
 
 
+def _baseline(methods: set[str]) -> str:
+    """What speedups are measured against: `plain`, or the one plain@FORMAT of a run without it."""
+    formatted = sorted(m for m in methods if m.startswith("plain@"))
+    return formatted[0] if "plain" not in methods and len(formatted) == 1 else "plain"
+
+
 def _own_baselines(methods: set[str]) -> dict[str, str]:
     """A peer's speculative method -> that peer's plain method (its speedup is measured against it)."""
     own = {}
@@ -58,7 +64,8 @@ def build_summary(cfg: BenchConfig, state: RunState, prompts: list[BenchPrompt],
     if complete < len(prompts):
         notes.append(f"partial run: {complete} of {len(prompts)} prompts were measured by every method, and "
                      "only those are summarized; rerun the command with --resume to continue")
-    summary = stats.summarize(records, "plain", _own_baselines({r["method"] for r in records}))
+    methods = {r["method"] for r in records}
+    summary = stats.summarize(records, _baseline(methods), _own_baselines(methods))
     for method, res in state.resources.items():
         if method in summary["by_method"]:
             summary["by_method"][method]["resources"] = res

@@ -4,13 +4,14 @@ The draft reads the target's text in its own ids and drafts greedily in them; it
 target as text, re-tokenized (proposers/text_bridge.py). Each step a row's draft ids are brought up to the
 target's text (`TextBridge.sync`: the cache keeps the ids up to the last agreed text boundary and is fed the
 rest, in one forward with every other drafting row's catch-up); then one forward per depth over the rows still
-drafting, until a row's continuation spells more than k of the target's tokens, or it ends a text (a special
-token), or it reaches its cap of draft ids.
+drafting, until a row's continuation spells k of the target's tokens, or it ends a text (a special token), or
+it reaches its cap of draft ids.
 
 Drafts are point masses in the target's ids (the draft's probabilities are over other ids and do not map onto
 the target's exactly), so verification is lossless under greedy and sampling alike, and the draft is greedy in
-every request: it draws no random numbers. A draft's last target token is dropped unless more drafted text
-follows it, since its boundary may still move ("hel" + "lo" -> "hello").
+every request: it draws no random numbers. A draft's last target token is kept though its boundary may still
+move ("hel" + "lo" -> "hello"): drafting one more id to be sure costs a draft forward every step, a wrong last
+token only its verification row.
 """
 
 from __future__ import annotations
@@ -54,11 +55,10 @@ class _Chain:
     """The last id ends a text (a special token)."""
 
     def done(self) -> bool:
-        return self.ended or len(self.target) > self.k or len(self.ids) >= draft_ids_cap(self.k)
+        return self.ended or len(self.target) >= self.k or len(self.ids) >= draft_ids_cap(self.k)
 
     def draft(self) -> Draft:
-        stable = self.target if self.ended or len(self.target) > self.k else self.target[:-1]
-        return Draft(stable[: self.k])
+        return Draft(self.target[: self.k])
 
 
 class CrossVocabDraftRows(DraftModelRows):
