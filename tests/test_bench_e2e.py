@@ -23,16 +23,18 @@ PROMPTS = [
 
 
 @pytest.mark.timeout(180)
-def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_bench_end_to_end(tiny_llama_dir: Path, tiny_sentencepiece_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     out = tmp_path / "out"
     target = load_model(str(tiny_llama_dir), "fp32", "cpu").model
     save_head(new_head(target, "eagle", torch.arange(target.config.vocab_size)), tmp_path / "head")
     rc = main([
-        "bench", "--model", str(tiny_llama_dir), "--draft", str(tiny_llama_dir), "--head",
+        "bench", "--model", str(tiny_llama_dir), "--draft",
+        f"{tiny_llama_dir},sp={tiny_sentencepiece_dir}",  # a second draft under a label: draft:sp
+        "--head",
         f"{tmp_path / 'head'},v2={tmp_path / 'head'}",  # the same head under a label: eagle:v2
-        "--methods", "plain,ngram,draft,eagle,eagle-chain,plain@int8-dynamic,eagle:v2",
+        "--methods", "plain,ngram,draft,eagle,eagle-chain,plain@int8-dynamic,eagle:v2,draft:sp",
         "--dataset", str(data), "--per-task", "2", "--max-tokens", "8", "--dtype", "fp32",
         "--peers", "transformers,llama.cpp", "--bandwidth-gb", "0.05", "--no-progress", "--out", str(out),
     ])
@@ -42,7 +44,7 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     ours = [r for r in records if r["engine"] == "specdecode"]
-    assert len(ours) == 7 * 4
+    assert len(ours) == 8 * 4
     for r in records:
         for key in ("method", "task", "prompt_index", "prompt_tokens", "output_tokens", "seconds",
                     "tokens_per_second", "steps", "mean_accepted_length", "acceptance_rate", "token_ids"):
@@ -88,6 +90,7 @@ def test_bench_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert "| eagle-chain | EAGLE-style head, chain |" in md
     assert "| eagle:v2 | EAGLE-style head v2, dynamic tree |" in md
     assert s["by_method"]["eagle:v2"]["overall"]["identical_rate"] == 1.0
+    assert s["by_method"]["draft:sp"]["overall"]["identical_rate"] == 1.0  # another tokenizer drafts losslessly
     assert "| plain@int8-dynamic | autoregressive (no speculation), int8-dynamic target |" in md
     res = s["by_method"]["eagle"]["resources"]
     assert res["speculation_bytes"] > 0 and res["target_weight_bytes"] > 0

@@ -155,8 +155,12 @@ def test_parse_method():
     assert labelled.speculative_config["model"] == "v4dir"
     with pytest.raises(ValueError, match="--head v5=DIR"):
         parse_method("eagle:v5", None, {"eagle": "e"})
-    with pytest.raises(ValueError, match="head label"):
+    with pytest.raises(ValueError, match="take a label"):
         parse_method("ngram:v4", None)
+    small = parse_method("draft-k4:small@gguf", "d", {"draft:small": "smollm"})
+    assert small.speculative_config["model"] == "smollm" and small.quantization == "gguf"
+    with pytest.raises(ValueError, match="--draft tiny=MODEL"):
+        parse_method("draft:tiny", "d", {})
     q = parse_method("draft-k4@int8-dynamic", "d")
     assert (q.name, q.quantization, q.speculative_config["num_speculative_tokens"]) == ("draft-k4@int8-dynamic",
                                                                                         "int8-dynamic", 4)

@@ -201,9 +201,12 @@ def test_incompatible_draft(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest
     by_id = {i: s for s, i in vocab.items()}
     vocab[by_id[40]], vocab[by_id[41]] = 41, 40
     (bad / "tokenizer.json").write_text(json.dumps(data))
-    err = run_error(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--draft", str(bad),
-                    "hi")
+    # Another vocabulary drafts through text, but only chains: a tree is refused naming both models and ids.
+    spec = json.dumps({"method": "draft", "model": str(bad), "draft_tree_width": 2})
+    err = run_error(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--speculative-config",
+                    spec, "hi")
     assert str(bad) in err and str(tiny_llama_dir) in err and "first differing ids: 40: target" in err
+    assert "chains only" in err
 
 
 def test_bad_sampling_value(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
