@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import make_tiny_hf_dir
 from transformers import AutoTokenizer
 from vocab_helpers import permuted_copy, save_ascii_tokenizer
@@ -195,3 +196,30 @@ def test_sampling_reproduces_with_its_seed(tiny_llama_dir: Path, sp_dir: Path) -
 def test_a_cross_vocabulary_tree_is_refused(tiny_llama_dir: Path, sp_dir: Path) -> None:
     with pytest.raises(IncompatibleDraftError, match="chains only"):
         LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=_spec(sp_dir, draft_tree_width=2))
+
+
+def test_lookup_guesses_ride_along_in_the_draft_ids(tmp_path: Path) -> None:
+    """Where an earlier answer holds what the draft is about to draft, one forward carries the guess (re-spelled
+    in the draft's ids) and confirms it: the same draft in far fewer draft forwards."""
+    from specdecode.proposers.base import ProposeRow, SequenceView
+    from specdecode.proposers.suffix_index import SuffixStore
+    from specdecode.proposers.suffix_source import SuffixSource
+
+    target = make_tiny_hf_dir(tmp_path / "ascii", save_tokenizer=save_ascii_tokenizer)
+    llm = LLM(str(target), dtype="fp32", device="cpu", speculative_config=_spec(
+        permuted_copy(target, tmp_path / "permuted"), num_speculative_tokens=4))
+    prompt = llm.tokenizer.encode("def add(a, b):\n")
+    answer = llm.generate([prompt], GREEDY)[0].token_ids
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, CrossVocabDraftRows)
+    drafts, forwards = [], []
+    for lookup in (None, SuffixSource(2, SuffixStore("global"))):
+        if lookup is not None:
+            lookup.remember(None, prompt + answer, len(prompt))
+        rows = CrossVocabDraftRows(proposer.model, 256, proposer.bridge, lookup)
+        seq = SequenceView(prompt + answer[:3], len(prompt), SamplingParams(temperature=0), torch.Generator())
+        rows.begin(0, seq)
+        drafts.append(rows.propose([ProposeRow(0, seq, 12, 12)])[0].tokens)
+        forwards.append(rows.forwards)
+    assert drafts[0] == drafts[1] == answer[3:15]  # the target's own continuation, drafted either way
+    assert forwards[1] <= 3 < forwards[0], forwards

@@ -51,7 +51,7 @@ def proposer_factory(spec: SpeculativeConfig | None, max_len: int, draft: Transf
     if spec.method == "draft":
         assert draft is not None, "the draft method needs its loaded draft model"
         if bridge is not None:
-            return lambda rows: CrossVocabDraftRows(draft, max_len, bridge, max_rows=rows)
+            return lambda rows: CrossVocabDraftRows(draft, max_len, bridge, lookup, max_rows=rows)
         return lambda rows: DraftModelRows(draft, max_len, width, branching, lookup, vocab=draft_vocab,
                                            max_rows=rows)
     if isinstance(head, EagleHead):

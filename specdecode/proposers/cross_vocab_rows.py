@@ -25,6 +25,7 @@ from specdecode.model.config import ModelConfig
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import Draft, ProposeRow, SequenceView
 from specdecode.proposers.draft_rows import DraftModelRows, _chain_input, draft_step_costs
+from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.proposers.text_bridge import DraftText, TextBridge
 from specdecode.tree import MAX_TREE_NODES
 
@@ -64,8 +65,10 @@ class _Chain:
 class CrossVocabDraftRows(DraftModelRows):
     """`DraftModelRows` over another vocabulary: chains only, drafted in the draft's ids (module doc)."""
 
-    def __init__(self, model: Transformer, max_len: int, bridge: TextBridge, max_rows: int | None = None) -> None:
-        super().__init__(model, cross_vocab_context(model.config, max_len), max_rows=max_rows)
+    def __init__(self, model: Transformer, max_len: int, bridge: TextBridge, prompt_lookup: SuffixSource | None = None,
+                 max_rows: int | None = None) -> None:
+        super().__init__(model, cross_vocab_context(model.config, max_len), prompt_lookup=prompt_lookup,
+                         max_rows=max_rows)
         self.bridge = bridge
         self.real = min(len(bridge.draft_bytes), model.config.vocab_size)
         """Draft rows the tokenizer has ids for (a padded output matrix is never argmax'd beyond them)."""
@@ -135,28 +138,54 @@ class CrossVocabDraftRows(DraftModelRows):
         return drafts
 
     def _grow(self, asks: list[ProposeRow], chains: dict[int, _Chain], out: dict[int, torch.Tensor]) -> None:
-        """Pick each chain's next id from its logits `out` (by cache row), feed it, until every chain is done."""
-        bridge = self.bridge
+        """Pick each chain's next ids from its logits `out` (by cache row), feed them, until every chain is done.
+
+        A forward feeds a chain's newest id and its lookup guess after it, in the draft's ids: the guess holds as
+        long as the draft picks its ids, so a copied run costs one forward (as `ChainDraft`'s)."""
+        fed: dict[int, list[int]] = {}  # ids each chain fed in the forward `out` holds ([]: the catch-up)
         while True:
             feeds = {}
             for i, chain in chains.items():
-                if chain.done():
-                    continue
                 row, text = self.rows[asks[i].key], self.texts[asks[i].key]
-                token = int(out[row.slot][-1, : self.real].argmax())
-                chain.ids.append(token)
-                spelled = bridge.continuation(chain.ids)
-                # A text end, or a continuation that does not spell the pending bytes, ends the chain.
-                chain.ended = token in bridge.draft_special or not (
-                    spelled.startswith(chain.pending) or chain.pending.startswith(spelled))
-                chain.target = bridge.to_target(chain.pending, spelled)
+                if row.slot not in out:
+                    continue
+                ids, logits = fed.get(i, []), out[row.slot]  # logits [max(1, len(ids)), V]
+                used = 0
+                while True:
+                    token = int(logits[used, : self.real].argmax())
+                    self._extend(chain, token)
+                    if chain.done() or used + 1 >= len(ids) or token != ids[used + 1]:
+                        break
+                    used += 1
+                for t in ids[: used + 1]:  # the fed ids the draft agreed with stay in its cache
+                    text.append(t, self.bridge.draft_bytes[t])
+                row.num_cached = len(text.ids)
                 if not chain.done():
-                    feeds[row.slot] = _chain_input([token], row.num_cached)
-                    text.append(token, bridge.draft_bytes[token])
+                    fed[i] = [chain.ids[-1], *self._guess(asks[i].seq, chain)]
+                    feeds[row.slot] = _chain_input(fed[i], row.num_cached)
             if not feeds:
                 return
             out = self._forward(feeds)
-            for i in chains:
-                row = self.rows[asks[i].key]
-                if row.slot in feeds:
-                    row.num_cached += 1
+
+    def _extend(self, chain: _Chain, token: int) -> None:
+        """Append a drafted id to a chain and re-read its text in the target's ids."""
+        bridge = self.bridge
+        chain.ids.append(token)
+        spelled = bridge.continuation(chain.ids)
+        # A text end, or a continuation that does not spell the pending bytes, ends the chain.
+        chain.ended = token in bridge.draft_special or not (
+            spelled.startswith(chain.pending) or chain.pending.startswith(spelled))
+        chain.target = bridge.to_target(chain.pending, spelled)
+
+    def _guess(self, seq: SequenceView, chain: _Chain) -> list[int]:
+        """The lookup's guess of what follows the chain's text, in the draft's ids ([] without one, or where the
+        chain's text is not exactly its target ids' text)."""
+        lookup, bridge = self.prompt_lookup, self.bridge
+        if lookup is None or chain.pending:
+            return []
+        if b"".join(bridge.target_bytes[t] for t in chain.target) != bridge.continuation(chain.ids):
+            return []
+        guess = lookup.chain(seq.token_ids + chain.target, seq.tenant, chain.k - len(chain.target),
+                             seq.params.greedy)
+        return bridge.draft_spelling(b"".join(bridge.target_bytes[t] for t in guess))[
+            : draft_ids_cap(chain.k) - len(chain.ids)]

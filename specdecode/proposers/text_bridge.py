@@ -162,6 +162,15 @@ class TextBridge:
             return None, []
         return ids, ends
 
+    def draft_spelling(self, data: bytes) -> list[int]:
+        """`data` (up to its last whole character) in the draft's ids, where they spell exactly it ([] where the
+        tokenizer would change it, e.g. prepend a space)."""
+        text = _valid_text(data[: complete_utf8(data)])
+        if not text:
+            return []
+        ids, _ = encode_with_ends(self.draft_hf, self.draft_bytes, text)
+        return ids if b"".join(self.draft_bytes[i] for i in ids) == text.encode() else []
+
     def continuation(self, draft_ids: list[int]) -> bytes:
         return b"".join(self.draft_bytes[i] for i in draft_ids)
 
