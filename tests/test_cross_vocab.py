@@ -223,3 +223,34 @@ def test_lookup_guesses_ride_along_in_the_draft_ids(tmp_path: Path) -> None:
         forwards.append(rows.forwards)
     assert drafts[0] == drafts[1] == answer[3:15]  # the target's own continuation, drafted either way
     assert forwards[1] <= 3 < forwards[0], forwards
+
+
+def test_the_draft_cache_after_partial_acceptances_is_a_fresh_read_of_the_text(tiny_llama_dir: Path,
+                                                                               sp_dir: Path) -> None:
+    """Steps that accept part of a draft (or none) and go on with the target's own tokens leave the draft's cache
+    as a fresh draft row would build it from the whole text: the same ids, the same K/V, the same next draft."""
+    from specdecode.proposers.base import ProposeRow, SequenceView
+
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=_spec(sp_dir))
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, CrossVocabDraftRows)
+    prompt = llm.tokenizer.encode("Héllo wörld € 你好  x")
+    answer = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].token_ids
+    lived = CrossVocabDraftRows(proposer.model, 256, proposer.bridge)
+    n = 0
+    for step, accepted in enumerate([0, 2, 1, 0, 3, 1, 2, 0]):
+        seq = SequenceView(prompt + answer[:n], len(prompt), SamplingParams(temperature=0), torch.Generator())
+        if step == 0:
+            lived.begin(0, seq)
+        draft = lived.propose([ProposeRow(0, seq, 4, 4)])[0]
+        fresh = CrossVocabDraftRows(proposer.model, 256, proposer.bridge)
+        fresh.begin(0, seq)
+        assert fresh.propose([ProposeRow(0, seq, 4, 4)])[0].tokens == draft.tokens, step
+        kept = min(lived.rows[0].num_cached, fresh.rows[0].num_cached)
+        assert lived.texts[0].ids[:kept] == fresh.texts[0].ids[:kept]
+        for mine, theirs in zip(lived.cache.cache.read_span(lived.rows[0].slot, 0, kept),  # type: ignore[union-attr]
+                                fresh.cache.cache.read_span(fresh.rows[0].slot, 0, kept), strict=True):  # type: ignore[union-attr]
+            torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+        n += accepted + 1  # the target keeps `accepted` tokens (its own, whatever was drafted) and adds one
+        lived.on_verified(0, SequenceView(prompt + answer[:n], len(prompt), seq.params, seq.generator), accepted,
+                          accepted)
