@@ -89,16 +89,18 @@ def copy_with_swapped_tokens(src: Path, dst: Path, a: int, b: int) -> Path:
     return dst
 
 
-def test_draft_with_a_different_tokenizer_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_draft_with_a_different_tokenizer_is_refused_as_a_tree(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Another vocabulary drafts chains through text (tests/test_cross_vocab.py); a tree is refused, naming both
+    models and the first differing ids, in both directions."""
     bad = copy_with_swapped_tokens(tiny_llama_dir, tmp_path / "swapped", 40, 41)
     with pytest.raises(IncompatibleDraftError) as info:
-        fp32(tiny_llama_dir, draft_cfg(bad))
+        fp32(tiny_llama_dir, draft_cfg(bad, draft_tree_width=2))
     msg = str(info.value)
     assert str(tiny_llama_dir) in msg and str(bad) in msg
-    assert "first differing ids: 40: target" in msg  # the first differing id, with both strings
-    # The reverse direction too.
+    assert "first differing ids: 40: target" in msg and "chains only" in msg
     with pytest.raises(IncompatibleDraftError, match="first differing ids: 40: target"):
-        fp32(bad, draft_cfg(tiny_llama_dir))
+        fp32(bad, draft_cfg(tiny_llama_dir, draft_tree_width=0))
+    assert fp32(tiny_llama_dir, draft_cfg(bad)).engine.proposer.name == "draft"  # a chain is fine
 
 
 def test_draft_with_fewer_rows_than_token_ids_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -113,15 +115,16 @@ def test_draft_with_fewer_rows_than_token_ids_is_refused(tiny_llama_dir: Path, t
 
 
 @pytest.mark.real
-def test_real_and_tiny_vocabularies_are_refused_both_ways(tiny_llama_dir: Path) -> None:
+def test_real_and_tiny_vocabularies_refuse_trees_both_ways(tiny_llama_dir: Path) -> None:
     with pytest.raises(IncompatibleDraftError) as info:
-        LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config={"model": SMOL})
+        LLM(str(tiny_llama_dir), dtype="fp32", device="cpu",
+            speculative_config={"model": SMOL, "draft_tree_width": 2})
     msg = str(info.value)
     assert SMOL in msg and str(tiny_llama_dir) in msg
     assert "49152" in msg and "first differing id" in msg
     with pytest.raises(IncompatibleDraftError) as info:
         LLM(SMOL, dtype="bf16", device="cpu", max_model_len=256,
-            speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 2})
+            speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 2, "draft_tree_width": 2})
     msg = str(info.value)
     assert SMOL in msg and str(tiny_llama_dir) in msg and "first differing id" in msg
 
