@@ -156,7 +156,7 @@ def run_level(url: str, headers: dict[str, str], model: str, prompts: list[list[
               concurrency: int, args: argparse.Namespace, plain: bool) -> dict[str, Any]:
     clients = [httpx.Client(base_url=url, headers=headers, timeout=None) for _ in range(concurrency)]
     try:
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         with ThreadPoolExecutor(concurrency) as pool:
             futures = [pool.submit(one_request, clients[i % concurrency], model, m, args, plain)
                        for i, m in enumerate(prompts)]
@@ -174,6 +174,7 @@ def run_level(url: str, headers: dict[str, str], model: str, prompts: list[list[
         "ttft_p50": statistics.median(r["ttft"] for r in results),
         "latency_p50": statistics.median(r["latency"] for r in results),
         "texts": [r["text"] for r in results],
+        "window": [started, started + wall],  # wall-clock span, to match a server's SPECDECODE_STEP_LOG lines
     }
 
 
@@ -187,7 +188,8 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "tokens_per_second": tokens / seconds if seconds > 0 else 0.0, "steps": steps,
             "mean_accepted_length": tokens / steps if steps else 0.0,
             "ttft_p50": statistics.median(r["ttft_p50"] for r in runs),
-            "latency_p50": statistics.median(r["latency_p50"] for r in runs), "rounds": len(runs)}
+            "latency_p50": statistics.median(r["latency_p50"] for r in runs), "rounds": len(runs),
+            "windows": [r["window"] for r in runs]}
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
