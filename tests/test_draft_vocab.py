@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 from conftest import _save_tokenizer
-from tiny_helpers import GREEDY, copy_with_vocab_rows, tiny_prompts
+from tiny_helpers import GREEDY, copy_with_vocab_rows, record_rows, tiny_prompts
 
-from specdecode import LLM
+from specdecode import LLM, SamplingParams
 from specdecode.proposers.draft_rows import DraftModelRows, draft_logits
 
 
@@ -73,11 +73,28 @@ def test_draft_with_another_tokenizer_drafts_across_vocabularies(tiny_llama_dir:
 
 
 def test_padded_draft_when_sampling(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    from specdecode import SamplingParams
-
     padded = padded_copy(tiny_llama_dir, tmp_path / "padded", 64)
     llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=draft(padded))
     params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=3, ignore_eos=True)
     outs = llm.generate(tiny_prompts(llm), params)
     assert all(len(o.token_ids) == 24 and max(o.token_ids) < 320 for o in outs)
     assert outs[0].metrics["accepted_tokens"] > 0
+
+
+def test_a_long_prompt_costs_the_draft_a_window_only(tiny_llama_dir: Path) -> None:
+    """The draft reads a long prompt's last `window` tokens only (its catch-up is bounded, its K/V slot j holds
+    token skipped + j); output identical to plain."""
+    plain = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu")
+    prompt = plain.tokenizer.encode("def add(a, b):\n    return a + b\n" * 6)
+    assert len(prompt) > 40
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = plain.generate([prompt], params)[0].token_ids
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", device="cpu", speculative_config=draft(tiny_llama_dir))
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, DraftModelRows)
+    proposer.window = 16
+    seen = record_rows(llm)
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == want and out.metrics["draft_tokens"] > 0
+    row = seen[0]
+    assert row.skipped >= len(prompt) - 16 and row.num_cached <= 16 + len(want)  # never the whole prompt

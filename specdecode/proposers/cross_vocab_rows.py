@@ -68,7 +68,7 @@ class CrossVocabDraftRows(DraftModelRows):
     def __init__(self, model: Transformer, max_len: int, bridge: TextBridge, prompt_lookup: SuffixSource | None = None,
                  max_rows: int | None = None) -> None:
         super().__init__(model, cross_vocab_context(model.config, max_len), prompt_lookup=prompt_lookup,
-                         max_rows=max_rows)
+                         max_rows=max_rows, window=None)
         self.bridge = bridge
         self.real = min(len(bridge.draft_bytes), model.config.vocab_size)
         """Draft rows the tokenizer has ids for (a padded output matrix is never argmax'd beyond them)."""

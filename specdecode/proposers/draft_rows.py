@@ -1,8 +1,9 @@
 """The draft model as a batch proposer: every drafting row of the batch in one draft forward per depth.
 
 The draft's KV cache has one row per running request (`RowCache`). A step catches every drafting row up
-(the prompt on its first draft, everything since it last drafted after a pause, else just the newest token)
-in one padded forward (`row_packing.pack`), whose last position per row gives the first draft token; then chains
+(the prompt's last DRAFT_WINDOW tokens on its first draft, everything since it last drafted after a pause, else
+just the newest token) in one padded forward (`row_packing.pack`), whose last position per row gives the first
+draft token; then chains
 advance every row by one forward per depth (rows riding a correct prompt-lookup guess finish in fewer), and
 trees grow every row's next level in one forward with tree attention. Each row keeps its own tree
 calibration, so its drafts do not depend on which rows share its batch (up to the float rounding of a wider
@@ -27,6 +28,12 @@ from specdecode.proposers.row_packing import Packed, RowInput, forward_rows
 from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.proposers.tree_growth import TreeGrower, level_width
 from specdecode.tree import MAX_TREE_NODES
+
+DRAFT_WINDOW = 256
+"""Tokens a row's draft model reads when it starts (its first catch-up, or one after a longer pause): the
+sequence's most recent ones. A draft predicts the next tokens from recent text (copies from further back come
+from the lookup guesses, which read the whole sequence), and its prefill of a long prompt would cost more than a
+short answer repays."""
 
 
 def draft_input_ids(model: Transformer, vocab: tuple[int, int] | None, tokens: torch.Tensor) -> torch.Tensor:
@@ -81,7 +88,9 @@ class _Row:
     slot: int
     """Its row of the draft's cache."""
     num_cached: int = 0
-    """Tokens of the sequence whose K/V are valid in that row (slots [0, num_cached))."""
+    """Tokens of the draft's window whose K/V are valid in that row (slots [0, num_cached))."""
+    skipped: int = 0
+    """Tokens before the draft's window, never fed: slot j holds the sequence's token skipped + j."""
     tree_value: TreeValue | None = None
 
 
@@ -92,8 +101,10 @@ class DraftModelRows(RowTreeValues):
 
     def __init__(self, model: Transformer, max_len: int, tree_width: int = 1, tree_branching: int = 2,
                  prompt_lookup: SuffixSource | None = None, vocab: tuple[int, int] | None = None,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None, window: int | None = DRAFT_WINDOW) -> None:
         self.model, self.vocab, self.prompt_lookup = model, vocab, prompt_lookup
+        self.window = window or max_len
+        """The most recent tokens a row's draft reads at its first catch-up (`_window`; None: all)."""
         self.tree_width, self.tree_branching = tree_width, tree_branching
         self.capabilities = Capabilities(tree_width=tree_width, catch_up=True)
         self.max_len = max_len
@@ -128,11 +139,19 @@ class DraftModelRows(RowTreeValues):
         if row.tree_value is not None:
             row.tree_value.observe(own_accepted)
         # The cache holds the prefix plus the first k-1 draft tokens; keep only accepted ones.
-        row.num_cached = min(row.num_cached, len(seq.token_ids) - 1)
+        row.num_cached = min(row.num_cached, len(seq.token_ids) - 1 - row.skipped)
 
     def catch_up_tokens(self, key: int, seq: SequenceView) -> int:
-        lag = len(seq.token_ids) - self.rows[key].num_cached
-        return 0 if lag <= 1 else lag
+        row = self.rows[key]
+        lag = len(seq.token_ids) - row.skipped - row.num_cached
+        return 0 if lag <= 1 else min(lag, self.window)
+
+    def _window(self, row: _Row, length: int) -> None:
+        """A catch-up longer than the window (a long prompt, or a long pause) starts the row's window afresh
+        over the sequence's last `window` tokens: the draft drafts from recent text, and a long prompt costs
+        it a bounded prefill, repaid by the few tokens a short answer leaves."""
+        if length - row.skipped - row.num_cached > self.window:
+            row.skipped, row.num_cached = length - self.window, 0
 
     def configure(self, cost: CostModel) -> None:
         super().configure(cost)
@@ -167,13 +186,14 @@ class DraftModelRows(RowTreeValues):
         feeds = {}
         for i in work:
             row, ids = self.rows[asks[i].key], asks[i].seq.token_ids
-            if row.num_cached >= len(ids):  # cannot happen once begin() ran; keeps the invariant explicit
+            self._window(row, len(ids))
+            if row.skipped + row.num_cached >= len(ids):  # cannot happen once begin() ran; keeps it explicit
                 raise RuntimeError("draft cache is ahead of the sequence")
-            feeds[row.slot] = _chain_input(ids[row.num_cached :], row.num_cached)
+            feeds[row.slot] = _chain_input(ids[row.skipped + row.num_cached :], row.num_cached)
         first = self._forward(feeds, last_only=True)
         for i in work:
             row = self.rows[asks[i].key]
-            row.num_cached = len(asks[i].seq.token_ids)
+            row.num_cached = len(asks[i].seq.token_ids) - row.skipped
         made = self._trees(asks, work, first) if self.capabilities.trees else self._chains(asks, work, first)
         for i, draft in made.items():
             drafts[i] = draft
