@@ -22,6 +22,7 @@ the character go back as the target's one-byte tokens.
 from __future__ import annotations
 
 import bisect
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,14 @@ def _common_prefix(a: bytes | bytearray, b: bytes | bytearray) -> int:
     return lo
 
 
+def _leading_equal(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """How many (id, end) pairs two tokenizations share from their start."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _valid_text(data: bytes) -> str:
     """The longest prefix of `data` that is valid UTF-8, decoded."""
     try:
@@ -139,14 +148,12 @@ class TextBridge:
         if ids is None:  # the tail does not tokenize as it does in context: re-tokenize the whole text
             anchor, start = 0, 0
             ids, ends = encode_with_ends(self.draft_hf, self.draft_bytes, text)
-        keep = anchor
-        while keep - anchor < len(ids) and keep < cached and row.ids[keep] == ids[keep - anchor] \
-                and row.ends[keep] == start + ends[keep - anchor]:
-            keep += 1
+        ends = [start + e for e in ends]
+        keep = anchor + _leading_equal(list(zip(row.ids[anchor:cached], row.ends[anchor:cached], strict=True)),
+                                       list(zip(ids, ends, strict=True)))
         row.truncate(keep)
-        for token, end in zip(ids[keep - anchor :], ends[keep - anchor :], strict=True):
-            row.ids.append(token)
-            row.ends.append(start + end)
+        row.ids += ids[keep - anchor :]
+        row.ends += ends[keep - anchor :]
         row.spelled = bytearray(view)
         return keep
 
@@ -192,6 +199,4 @@ class TextBridge:
 
 
 def _added_tokens(hf: Any) -> list[dict[str, Any]]:
-    import json
-
     return json.loads(hf.backend_tokenizer.to_str()).get("added_tokens", [])
