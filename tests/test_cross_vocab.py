@@ -254,3 +254,13 @@ def test_the_draft_cache_after_partial_acceptances_is_a_fresh_read_of_the_text(t
         n += accepted + 1  # the target keeps `accepted` tokens (its own, whatever was drafted) and adds one
         lived.on_verified(0, SequenceView(prompt + answer[:n], len(prompt), seq.params, seq.generator), accepted,
                           accepted)
+
+
+def test_a_padding_id_the_target_emits_spells_nothing(tiny_llama_dir: Path, sp_dir: Path) -> None:
+    """Models pad their output rows beyond the tokenizer; an id there (vanishingly rare) reads as no text."""
+    bridge = TextBridge(_tok(tiny_llama_dir), _tok(sp_dir))
+    beyond = len(bridge.target_bytes) + 5
+    ids = bridge.target_encode("def add")
+    row = DraftText()
+    bridge.sync(row, [*ids, beyond], 0)
+    assert bytes(row.raw) == b"def add" and bridge.target_spelling([beyond]) == b""

@@ -183,9 +183,9 @@ class CrossVocabDraftRows(DraftModelRows):
         lookup, bridge = self.prompt_lookup, self.bridge
         if lookup is None or chain.pending:
             return []
-        if b"".join(bridge.target_bytes[t] for t in chain.target) != bridge.continuation(chain.ids):
+        if bridge.target_spelling(chain.target) != bridge.continuation(chain.ids):
             return []
         guess = lookup.chain(seq.token_ids + chain.target, seq.tenant, chain.k - len(chain.target),
                              seq.params.greedy)
-        return bridge.draft_spelling(b"".join(bridge.target_bytes[t] for t in guess))[
+        return bridge.draft_spelling(bridge.target_spelling(guess))[
             : draft_ids_cap(chain.k) - len(chain.ids)]

@@ -125,14 +125,19 @@ class TextBridge:
         self.draft_per_target = (len(encode_with_ends(draft_hf, self.draft_bytes, SAMPLE_TEXT)[0])
                                  / max(1, len(self.target_encode(SAMPLE_TEXT))))
 
+    def target_spelling(self, ids: list[int]) -> bytes:
+        """The bytes of the target's ids (a padding id beyond the tokenizer, which a model may emit, spells
+        nothing)."""
+        table = self.target_bytes
+        return b"".join(table[t] if t < len(table) else b"" for t in ids)
+
     def target_encode(self, text: str) -> list[int]:
         return self.target_hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
     def sync(self, row: DraftText, target_ids: list[int], cached: int) -> int:
         """Bring `row` to the target's text `target_ids`, of which the draft's cache holds row.ids[:cached].
         Returns how many cached ids stay valid; row.ids after them are what the draft must be fed."""
-        for t in target_ids[row.synced :]:
-            row.raw += self.target_bytes[t]
+        row.raw += self.target_spelling(target_ids[row.synced :])
         row.synced = len(target_ids)
         whole = complete_utf8(row.raw)
         row.pending = bytes(row.raw[whole:])
