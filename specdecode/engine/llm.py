@@ -135,11 +135,7 @@ class LLM:
             draft_cfg = read_config(draft_path)
             self.draft_quantization = resolve_draft_quantization(spec.quantization, draft_path, draft_dtype,
                                                                  self.device)
-            # A draft with another tokenizer reads the target's text in its own ids (proposers/text_bridge.py).
-            bridge = cross_vocab_bridge(model, load_tokenizer(target_path), str(spec.model),
-                                        load_tokenizer(draft_path), spec.tree_width)
-            draft_len = self.max_model_len if bridge is None else cross_vocab_context(draft_cfg, self.max_model_len)
-            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, draft_len, device=self.device,
+            parts.append(("draft", estimate_bytes(draft_cfg, draft_dtype, self.max_model_len, device=self.device,
                                                   gguf_file=draft_path if self.draft_quantization == "gguf" else None)))
         check_memory(parts, self.device)  # before any weight is loaded
 
@@ -169,9 +165,18 @@ class LLM:
         draft_vocab = None
         if spec is not None and spec.method == "draft":
             assert draft_path is not None and draft_cfg is not None
+            # Refused before paying for its weights: a draft that cannot work with the target's tokenizer. One with
+            # another tokenizer reads the target's text in its own ids (proposers/text_bridge.py).
+            bridge = cross_vocab_bridge(model, self.tokenizer, str(spec.model), load_tokenizer(draft_path),
+                                        spec.tree_width)
             if bridge is None:  # same tokenizer, differently padded embeddings: drafts over the real ids only
                 draft_vocab = check_draft_rows(model, target_cfg.vocab_size, str(spec.model), draft_cfg.vocab_size,
                                                self.tokenizer)
+            else:  # its cache holds more positions than the target's context: checked again at that length
+                check_memory([("draft", estimate_bytes(draft_cfg, draft_dtype,
+                                                       cross_vocab_context(draft_cfg, self.max_model_len),
+                                                       device=self.device, gguf_file=draft_path
+                                                       if self.draft_quantization == "gguf" else None))], self.device)
             draft_format = self.draft_quantization
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device,
                                        "gguf" if draft_format == "gguf" else "none")

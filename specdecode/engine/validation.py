@@ -40,12 +40,6 @@ def vocab_mismatch(target_name: str, target: Tokenizer, draft_name: str, draft: 
     return None
 
 
-def check_vocab_compatible(target_name: str, target: Tokenizer, draft_name: str, draft: Tokenizer) -> None:
-    """Refuse a draft whose token ids mean different strings (`vocab_mismatch`)."""
-    if (why := vocab_mismatch(target_name, target, draft_name, draft)) is not None:
-        raise IncompatibleDraftError(why)
-
-
 def cross_vocab_bridge(target_name: str, target: Tokenizer, draft_name: str, draft: Tokenizer,
                        tree_width: int) -> TextBridge | None:
     """None where the draft shares the target's vocabulary; else the `TextBridge` its drafts cross by (as text).
@@ -66,7 +60,7 @@ def cross_vocab_bridge(target_name: str, target: Tokenizer, draft_name: str, dra
 
 def check_draft_rows(target_name: str, target_rows: int, draft_name: str, draft_rows: int,
                      tokenizer: Tokenizer) -> tuple[int, int] | None:
-    """Output rows of a draft whose tokenizer agrees with the target's (`check_vocab_compatible`). Equal: None.
+    """Output rows of a draft whose tokenizer agrees with the target's (`vocab_mismatch`). Equal: None.
     Padded differently (the Qwen2.5 sizes pad to 151,936 or 152,064): (real vocabulary, target rows) for
     `DraftModelRows(vocab=...)`, which never proposes a padding row. Refused when either model has fewer
     rows than the tokenizer has ids."""

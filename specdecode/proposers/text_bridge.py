@@ -22,7 +22,6 @@ the character go back as the target's one-byte tokens.
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +119,7 @@ class TextBridge:
         self.draft_bytes = token_bytes(draft_hf)
         self.target_byte_ids = {b[0]: i for i, b in enumerate(self.target_bytes) if len(b) == 1}
         """Byte value -> the target's id spelling just that byte (byte-level and byte-fallback vocabularies)."""
-        self.draft_special = {t["id"] for t in _added_tokens(draft_hf) if t.get("special")}
+        self.draft_special = {i for i, t in draft_hf.added_tokens_decoder.items() if t.special}
         """Draft ids that end a text (EOS, turn markers): a continuation stops after one."""
         self.draft_per_target = (len(encode_with_ends(draft_hf, self.draft_bytes, SAMPLE_TEXT)[0])
                                  / max(1, len(self.target_encode(SAMPLE_TEXT))))
@@ -201,7 +200,3 @@ class TextBridge:
             rest = rest[1:]
         text = _valid_text(rest[: complete_utf8(rest)])
         return lead + (self.target_encode(text) if text else [])
-
-
-def _added_tokens(hf: Any) -> list[dict[str, Any]]:
-    return json.loads(hf.backend_tokenizer.to_str()).get("added_tokens", [])
