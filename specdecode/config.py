@@ -23,6 +23,8 @@ TARGET_QUANTIZATIONS: tuple[str, ...] = ("auto", *QUANTIZATIONS)
 DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", *QUANTIZATIONS, "int4-hybrid")
 """Draft weight formats: QUANTIZATIONS ("gguf": a .gguf draft's own blocks),
 "int4-hybrid" (int4 for a few tokens, bf16 for prefill) and "auto" (the CPU's fastest single-token path)."""
+DRAFT_VOCAB_SIZE = 32768
+"""A draft model's default draft vocabulary (`SpeculativeConfig.draft_vocab_size`)."""
 DEFAULT_POOL_GB = 1.0
 """Memory bound of the prefix cache's pool (`LLM(prefix_cache_gb=)`, `--prefix-cache-gb`)."""
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
@@ -72,6 +74,10 @@ class SpeculativeConfig:
     """Tree proposers: top-b candidates expanded per kept node. None = the method's default: 4 for "eagle" (an
     EAGLE head's runners-up are worth a place among the level's candidates, and candidates cost nothing until
     kept), 2 for "draft" and "medusa"."""
+    draft_vocab_size: int | None = None
+    """Draft model: the ids its output matrix keeps rows for (`specdecode.model.output_rows`): the tokenizer's
+    lowest draft_vocab_size ids (byte-level BPE's most frequent pieces) and its added tokens. 0 = every id;
+    None = DRAFT_VOCAB_SIZE. A draft proposes nothing outside them; the output never changes."""
     quantization: str = "auto"
     """Draft weight format (DRAFT_QUANTIZATIONS): "auto" takes the CPU's fastest single-token path for a bf16
     draft (`specdecode.model.fast_linear.draft_linear_format`) and keeps the weights otherwise."""
@@ -96,6 +102,10 @@ class SpeculativeConfig:
         if self.quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(f"draft quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
+                                                  or isinstance(self.draft_vocab_size, bool)
+                                                  or self.draft_vocab_size < 0):
+            raise ValueError(f"draft_vocab_size must be null or an integer >= 0, got {self.draft_vocab_size!r}")
         if self.suffix_scope not in SUFFIX_SCOPES:
             raise ValueError(f"suffix_scope must be one of {', '.join(SUFFIX_SCOPES)}, got {self.suffix_scope!r}")
         if not isinstance(self.suffix_cache_tokens, int) or self.suffix_cache_tokens < 0:

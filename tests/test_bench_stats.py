@@ -119,8 +119,11 @@ def test_parse_method():
         "method": "draft", "num_speculative_tokens": 4, "model": "d", "quantization": "int4-hybrid"}
     spec = parse_method("draft~int8@int8-dynamic", "d")
     assert spec.quantization == "int8-dynamic" and spec.speculative_config["quantization"] == "int8"
+    assert parse_method("draft-nolookup-v0-k4", "d").speculative_config == {
+        "method": "draft", "num_speculative_tokens": 4, "model": "d", "draft_prompt_lookup": False,
+        "draft_vocab_size": 0}
     for bad in ("plain-k2", "medusa", "draft-k", "ngram-nolookup", "plain-nolookup", "draft-promptvocab",
-                "plain~int8", "draft~int2"):
+                "plain~int8", "draft~int2", "eagle-v100", "ngram-v100"):
         with pytest.raises(ValueError):
             parse_method(bad, "d")
     with pytest.raises(ValueError, match="--draft"):

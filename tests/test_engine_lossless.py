@@ -5,7 +5,7 @@ depend only on the last token: a Markov chain over a 6-token vocabulary, whose e
 first three sampled tokens is a finite product (`markov_joint`), i.e. what plain sampling draws. Requests
 run 16 at a time through `Engine` with a random draft model that drafts every row in one forward (a sampled
 chain, with its probabilities, or a tree of point masses; or, over another vocabulary, a greedy chain whose text
-is re-tokenized into the target's letters); the histogram of their first three tokens must
+is re-tokenized into the target's letters; or a sampled chain from an output matrix missing some ids); the histogram of their first three tokens must
 pass a chi-square test against that distribution. The negative control verifies without the residual
 distribution (a rejected candidate's mass is not removed before the next candidate or the recovered token):
 it must fail.
@@ -24,6 +24,7 @@ from stat_helpers import chi_square_pvalue, histogram, markov_joint
 from specdecode.engine.core import Engine
 from specdecode.engine.sequence import Sequence
 from specdecode.model.config import ModelConfig
+from specdecode.model.output_rows import restrict_output
 from specdecode.model.transformer import Transformer
 from specdecode.proposers.base import BatchProposer
 from specdecode.proposers.cross_vocab_rows import CrossVocabDraftRows
@@ -78,6 +79,9 @@ def _model(seed: int, markov: bool, vocab: int = VOCAB) -> Transformer:
 
 TARGET = _model(0, markov=True)
 DRAFT = _model(1, markov=False)
+CUT_DRAFT = _model(3, markov=False)
+restrict_output(CUT_DRAFT, torch.tensor([0, 1, 2, 4]))
+"""A draft over a draft vocabulary: ids 3 and 5 have draft probability 0."""
 CROSS_DRAFT = _model(2, markov=False, vocab=8)
 """A draft over another vocabulary: the target's six letters in another order, and "ab" and "cd" merged."""
 
@@ -106,13 +110,16 @@ def _transition_logits() -> torch.Tensor:
 def _sample(tree_width: int, k: int, drafter: str = "draft") -> np.ndarray:
     """`drafter`: "draft" (the random draft model), "draft+suffix" (with the suffix source's guesses grafted or
     riding along), "suffix" (trees of what earlier answers did after the suffix: point masses from data) or
-    "cross" (a draft over another vocabulary: its greedy continuation re-tokenized, a point mass)."""
+    "cross" (a draft over another vocabulary: its greedy continuation re-tokenized, a point mass) or "cut" (a
+    draft whose output matrix lacks two of the ids)."""
     lookup = SuffixSource(1, SuffixStore("global")) if "suffix" in drafter else None
     proposer: BatchProposer
     if drafter == "suffix":
         proposer = SuffixRows(lookup)
     elif drafter == "cross":
         proposer = CrossVocabDraftRows(CROSS_DRAFT, 32, _cross_bridge())
+    elif drafter == "cut":
+        proposer = DraftModelRows(CUT_DRAFT, 32, tree_width=tree_width, tree_branching=2)
     else:  # every row in one forward
         proposer = DraftModelRows(DRAFT, 32, tree_width=tree_width, tree_branching=2, prompt_lookup=lookup)
     engine = Engine(TARGET, 32, proposer, k_max=k, fixed_k=k, max_num_seqs=16, max_waiting=None, lookup=lookup)
@@ -134,8 +141,8 @@ def _exact() -> np.ndarray:
 
 
 CASES = [(1, 2, "draft"), (2, 2, "draft"), (1, 2, "draft+suffix"), (2, 2, "draft+suffix"), (0, 3, "suffix"),
-         (1, 3, "cross")]
-IDS = ["chain", "tree", "chain+suffix", "tree+suffix", "suffix", "cross-vocab"]
+         (1, 3, "cross"), (1, 2, "cut")]
+IDS = ["chain", "tree", "chain+suffix", "tree+suffix", "suffix", "cross-vocab", "draft-vocab"]
 
 
 @pytest.mark.parametrize(("tree_width", "k", "drafter"), CASES, ids=IDS)

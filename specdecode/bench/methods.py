@@ -9,12 +9,13 @@ from typing import Any
 from specdecode.config import DRAFT_QUANTIZATIONS, QUANTIZATIONS
 
 _METHOD_RE = re.compile(
-    r"^(plain|ngram|suffix|draft|eagle|medusa)(-chain|-tree|-w\d+)?(?:-b(\d+))?(-nolookup)?(?:-k(\d+))?$")
+    r"^(plain|ngram|suffix|draft|eagle|medusa)(-chain|-tree|-w\d+)?(?:-b(\d+))?(-nolookup)?(?:-v(\d+))?(?:-k(\d+))?$")
 METHOD_HELP = ("plain, ngram, suffix, draft, eagle, medusa; -kN fixes k=N (else adaptive); -chain drafts a chain, "
                "-tree a dynamic tree (draft: chain by default; eagle/medusa: dynamic tree by default), -wN a tree "
                "keeping N nodes per level (e.g. eagle-w2-k4: at most 8 nodes, like the chain eagle-chain-k8), -bN "
                "expanding each tree node into its top N tokens (default 4 for eagle, 2 otherwise); "
-               "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; "
+               "-nolookup (draft, eagle, medusa) turns the prompt-lookup guesses off; -vN (draft) keeps the draft's "
+               "output rows for its N lowest ids (-v0: every id; default 32768); "
                ":LABEL uses the head given as --head LABEL=DIR (eagle:v4; compares heads in one run) or the draft "
                "given as --draft LABEL=MODEL (draft:small); "
                "@FORMAT runs the target quantized (e.g. plain@int8-dynamic, draft@int4, plain@gguf: the GGUF's "
@@ -55,10 +56,11 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
     name, _, label = name.partition(":")
     m = _METHOD_RE.match(name)
     if (m is None or (m.group(1) in ("plain", "ngram", "suffix") and (m.group(2) or m.group(3)))
-            or (m.group(1) == "plain" and m.group(5))
-            or (m.group(4) and m.group(1) not in ("draft", "eagle", "medusa"))):
+            or (m.group(1) == "plain" and m.group(6))
+            or (m.group(4) and m.group(1) not in ("draft", "eagle", "medusa"))
+            or (m.group(5) and m.group(1) != "draft")):
         raise ValueError(f"unknown method {name!r}: {METHOD_HELP}")
-    kind, shape, branching, nolookup, k = m.groups()
+    kind, shape, branching, nolookup, vocab, k = m.groups()
     if label and kind not in ("draft", "eagle", "medusa"):
         raise ValueError(f"method {name!r}: only draft, eagle and medusa take a label (:{label})")
     full_name = f"{name}:{label}" if label else name
@@ -84,4 +86,6 @@ def parse_method(name: str, draft: str | None, heads: dict[str, str] | None = No
         cfg["draft_tree_branching"] = int(branching)
     if nolookup:
         cfg["draft_prompt_lookup"] = False
+    if vocab is not None:
+        cfg["draft_vocab_size"] = int(vocab)
     return MethodSpec(full_name, cfg)

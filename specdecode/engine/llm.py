@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB, SpeculativeConfig
+from specdecode.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_POOL_GB, DRAFT_VOCAB_SIZE, SpeculativeConfig
 from specdecode.cost_model import CostModel
 from specdecode.engine.core import Engine
 from specdecode.engine.cost_cache import CostCache, cost_cache_enabled, file_identity
@@ -45,6 +45,7 @@ from specdecode.model.load import (
     resolve_draft_quantization,
     resolve_quantization,
 )
+from specdecode.model.output_rows import lowest_ids, restrict_output
 from specdecode.proposers.base import BatchProposer
 from specdecode.proposers.cross_vocab_rows import cross_vocab_context
 from specdecode.sampling import SamplingParams
@@ -167,8 +168,8 @@ class LLM:
             assert draft_path is not None and draft_cfg is not None
             # Refused before paying for its weights: a draft that cannot work with the target's tokenizer. One with
             # another tokenizer reads the target's text in its own ids (proposers/text_bridge.py).
-            bridge = cross_vocab_bridge(model, self.tokenizer, str(spec.model), load_tokenizer(draft_path),
-                                        spec.tree_width)
+            draft_tokenizer = load_tokenizer(draft_path)
+            bridge = cross_vocab_bridge(model, self.tokenizer, str(spec.model), draft_tokenizer, spec.tree_width)
             if bridge is None:  # same tokenizer, differently padded embeddings: drafts over the real ids only
                 draft_vocab = check_draft_rows(model, target_cfg.vocab_size, str(spec.model), draft_cfg.vocab_size,
                                                self.tokenizer)
@@ -181,6 +182,10 @@ class LLM:
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device,
                                        "gguf" if draft_format == "gguf" else "none")
             drafter = (str(spec.model), draft_path, draft_linear_format(draft_format, draft_dtype, self.device))
+            vocab_rows = DRAFT_VOCAB_SIZE if spec.draft_vocab_size is None else spec.draft_vocab_size
+            if 0 < vocab_rows < draft_cfg.vocab_size:
+                added = list(draft_tokenizer.hf.added_tokens_decoder)
+                restrict_output(self.draft.model, lowest_ids(draft_cfg.vocab_size, vocab_rows, added))
             convert_linears(self.draft.model, drafter[2])
         self.lookup = lookup_source(spec)
         """The suffix source of lookups (and its store of earlier answers), shared by every engine of this `LLM`."""

@@ -276,6 +276,8 @@ class Transformer(nn.Module):
         """The last forward's residual stream entering each capture layer, concatenated [B, T, len * D]."""
         self.batch_invariant = False
         """Every token computed as if alone (`make_batch_invariant`)."""
+        self.output_ids: torch.Tensor | None = None
+        """The ids the output matrix has rows for, where it is cut to a draft vocabulary (`output_rows.py`)."""
 
     def fuse_projections(self) -> Transformer:
         """Fuse q/k/v and gate/up in every layer (after loading; state-dict names are HF's before)."""
@@ -366,4 +368,8 @@ class Transformer(nn.Module):
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        if self.output_ids is None:
+            return logits.float()
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"), dtype=torch.float32)
+        full[..., self.output_ids] = logits.float()  # [..., V]: -inf on the ids without a row
+        return full
