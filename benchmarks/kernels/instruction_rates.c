@@ -4,8 +4,7 @@
 // Each line: the instruction (or the pair the AVX2 GGUF kernel uses where VNNI is missing), its rate in
 // G/s and the u8 x s8 (or bf16, fp32) products each one does. Instructions the CPU lacks are skipped, so it
 // runs on every x86-64 CPU with AVX2. `row_cost_bound.py` turns the rates into each GGUF kernel's
-// per-row bound. Per-core VNNI on 512-bit registers runs at half the rate of vdpbf16ps on Zen 4, so an integer
-// kernel only pays while it needs at most one vpdpbusd per 64 weights (docs/kernels.md).
+// per-row bound (docs/kernels.md).
 #include <immintrin.h>
 #include <stdio.h>
 #include <time.h>
