@@ -5,10 +5,10 @@ depend only on the last token: a Markov chain over a 6-token vocabulary, whose e
 first three sampled tokens is a finite product (`markov_joint`), i.e. what plain sampling draws. Requests
 run 16 at a time through `Engine` with a random draft model that drafts every row in one forward (a sampled
 chain, with its probabilities, or a tree of point masses; or, over another vocabulary, a greedy chain whose text
-is re-tokenized into the target's letters; or a sampled chain from an output matrix missing some ids); the histogram of their first three tokens must
-pass a chi-square test against that distribution. The negative control verifies without the residual
-distribution (a rejected candidate's mass is not removed before the next candidate or the recovered token):
-it must fail.
+is re-tokenized into the target's letters; or a sampled chain from an output matrix missing some ids); the
+histogram of their first three tokens must pass a chi-square test against that distribution. The negative
+control verifies without the residual distribution (a rejected candidate's mass is not removed before the
+next candidate or the recovered token): it must fail.
 Every request has its own seed, so the test is deterministic.
 """
 

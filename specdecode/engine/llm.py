@@ -33,7 +33,7 @@ from specdecode.heads.persist import load_head
 from specdecode.heads.shipped import shipped_head
 from specdecode.log import timed_step
 from specdecode.model.fast_linear import convert_linears, draft_linear_format, target_linear_format
-from specdecode.model.format_choice import fastest_format
+from specdecode.model.format_choice import fastest_format, head_formats_below_bf16
 from specdecode.model.gguf_model import dense_output_rows
 from specdecode.model.load import (
     LoadedModel,
@@ -154,8 +154,8 @@ class LLM:
             if isinstance(self.head, EagleHead) and self.head.config.feature_layers:  # EAGLE-3 style head
                 self.target.model.capture_layers = tuple(self.head.config.feature_layers)
             head_format = draft_linear_format(spec.quantization, self.dtype, self.device)
-            if spec.quantization == "auto" and head_format == "int8":  # below AVX512-BF16: timed, int8 or bf16
-                head_format = fastest_format(self.head, ("int8", "bf16"))
+            if spec.quantization == "auto" and head_format == "int8":  # below AVX512-BF16: the fastest, timed
+                head_format = fastest_format(self.head, head_formats_below_bf16())
             drafter = (str(head_dir), Path(head_dir), head_format)
             convert_linears(self.head, head_format)
         target_format = target_linear_format(quantization, self.dtype, self.device)

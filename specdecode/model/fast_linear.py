@@ -12,6 +12,7 @@ and which format a target or a draft takes.
 - `int4` (`int4_linear`): weight-only int4 with group-wise scales/minima (our AVX512 kernel, groups of 128; else
   `torch._weight_int4pack_mm_for_cpu`, groups of 32).
 - `int4-hybrid` (`int4_linear`): int4 for forwards of a few tokens, bf16 for prefill (drafts).
+- `q8_0` (`gguf_linear.q8_0_linear`): llama.cpp's Q8_0 blocks on the GGUF kernels (heads below AVX512-BF16).
 The quantized formats change the model: for drafts (which never change the output) or
 explicit opt-in.
 """
@@ -28,11 +29,12 @@ from specdecode.config import QUANTIZATIONS
 from specdecode.model import native_kernels
 from specdecode.model.bf16_linear import BF16Linear
 from specdecode.model.f32_linear import F32Linear
+from specdecode.model.gguf_linear import q8_0_linear
 from specdecode.model.int4_linear import Int4HybridLinear, Int4WeightLinear
 from specdecode.model.int8_linear import Int8DynamicLinear, Int8WeightLinear
 
-LinearFormat = Literal["none", "bf16", "f32", "int8", "int8-dynamic", "int4", "int4-hybrid", "gguf"]
-FORMATS: tuple[str, ...] = ("none", "bf16", "f32", "int8", "int8-dynamic", "int4", "int4-hybrid")
+LinearFormat = Literal["none", "bf16", "f32", "int8", "int8-dynamic", "int4", "int4-hybrid", "q8_0", "gguf"]
+FORMATS: tuple[str, ...] = ("none", "bf16", "f32", "int8", "int8-dynamic", "int4", "int4-hybrid", "q8_0")
 """Formats `convert_linears` converts nn.Linear layers into ("gguf" linears are built at load instead)."""
 
 
@@ -43,6 +45,7 @@ _CONSTRUCTORS = {
     "int8-dynamic": Int8DynamicLinear,
     "int4": Int4WeightLinear,
     "int4-hybrid": Int4HybridLinear,
+    "q8_0": q8_0_linear,
 }
 
 

@@ -1,9 +1,10 @@
 """Which linear format a small drafter (an EAGLE or Medusa head) runs fastest in on this machine, measured at load.
 
 Below AVX512-BF16 a head's one-token forwards can take weight-only int8 (half the bytes, more arithmetic per
-weight) or bf16 (the AVX2 GEMM); which wins depends on the machine's memory bandwidth against its FMA rate, so
-the choice is timed rather than assumed: each of the head's linears at one row and at a tree level's rows, both
-formats, alternated.
+weight), bf16 (the AVX2 GEMM) or Q8_0 blocks on the GGUF kernels (int8 weights and int8 activations: VNNI's
+integer dot products where the CPU has them); which wins depends on the machine's memory bandwidth against its
+FMA and integer rates, so the choice is timed rather than assumed: each of the head's linears at one row and at a
+tree level's rows, every format, alternated.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from specdecode.model import gguf_linear
 from specdecode.model.fast_linear import LinearFormat, make_linear
 
 ROUNDS = 5
+
+
+def head_formats_below_bf16() -> tuple[LinearFormat, ...]:
+    """The formats a head is timed in below AVX512-BF16: Q8_0 joins where a vector GGUF kernel runs."""
+    vector = gguf_linear.isa() not in (None, "scalar")
+    return ("int8", "bf16", "q8_0") if vector else ("int8", "bf16")
 
 
 ROWS = (1, 8)

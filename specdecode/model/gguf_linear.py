@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 from torch import nn
 
 from specdecode import cpu_isa
@@ -278,3 +278,11 @@ class GGUFEmbedding(nn.Module):
         ids = tokens.reshape(-1).cpu().numpy()
         rows = dequantize(np.asarray(self.raw[ids]), self.qtype).reshape(len(ids), self.dim)
         return torch.from_numpy(np.ascontiguousarray(rows)).to(self.weight.dtype).reshape(*tokens.shape, self.dim)
+
+
+def q8_0_linear(linear: nn.Linear) -> GGUFLinear:
+    """An nn.Linear's weights rounded to Q8_0 blocks (32 int8 weights and an fp16 scale), on the GGUF kernels: a
+    drafter's int8 format on every CPU class with VNNI (AVX512 or AVX-VNNI) and on AVX2."""
+    w = linear.weight.detach().float().cpu().numpy()  # [N, K]
+    return GGUFLinear([(Q.Q8_0, quantize(w, Q.Q8_0))], linear.in_features, bias=linear.bias)
+
