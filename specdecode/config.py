@@ -20,9 +20,10 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "int4", "gguf"
 GGUF's own blocks, kept at load (`specdecode.model.gguf_model`)."""
 TARGET_QUANTIZATIONS: tuple[str, ...] = ("auto", *QUANTIZATIONS)
 """A target's choices: "auto" (the default) is resolved at load (`specdecode.model.load.resolve_quantization`)."""
-DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", *QUANTIZATIONS, "int4-hybrid")
+DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", *QUANTIZATIONS, "int4-hybrid", "q8_0")
 """Draft weight formats: QUANTIZATIONS ("gguf": a .gguf draft's own blocks),
-"int4-hybrid" (int4 for a few tokens, bf16 for prefill) and "auto" (the CPU's fastest single-token path)."""
+"int4-hybrid" (int4 for a few tokens, bf16 for prefill), "q8_0" (llama.cpp's Q8_0 blocks on the GGUF kernels)
+and "auto" (the CPU's fastest single-token path)."""
 DRAFT_VOCAB_SIZE = 32768
 """A draft model's default draft vocabulary (`SpeculativeConfig.draft_vocab_size`)."""
 DEFAULT_POOL_GB = 1.0

@@ -118,8 +118,8 @@ def draft_linear_format(quantization: str, dtype: torch.dtype, device: torch.dev
         if not native_kernels.available() and native_kernels.avx2_int8_available():
             return "int8"
         return "int4-hybrid"
-    if quantization == "int4-hybrid":
+    if quantization in ("int4-hybrid", "q8_0"):
         if device.type != "cpu":
-            raise ValueError("quantization 'int4-hybrid' is implemented for CPU only")
-        return "int4-hybrid"
+            raise ValueError(f"quantization {quantization!r} is implemented for CPU only")
+        return quantization  # type: ignore[return-value]
     return target_linear_format(quantization, dtype, device)
