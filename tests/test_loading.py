@@ -311,3 +311,29 @@ def test_missing_gguf_file_is_unknown(tmp_path: Path) -> None:
 def test_unknown_dtype(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model(str(tiny_llama_dir), "int3", "cpu")
+
+
+def test_a_gguf_tokenizer_is_parsed_once_and_kept(home: Path, tiny_llama_dir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing a large vocabulary out of a GGUF takes seconds, so the first load keeps the tokenizer in the model's
+    converted directory; a later weight conversion into the same directory still writes its config and weights."""
+    from arch_helpers import write_gguf
+
+    from specdecode.model.tokenizer import Tokenizer
+
+    monkeypatch.setenv("SPECDECODE_HOME", str(home))
+    path = write_gguf(tiny_llama_dir, home / "models" / "tiny.gguf")
+    first = load_mod.load_tokenizer(path)
+    conv = load_mod._converted_dir(path)
+    assert (conv / "tokenizer_config.json").is_file() and not (conv / "specdecode_config.json").exists()
+    assert not list(conv.parent.glob(".tmp-*"))
+
+    def parse(_path: Path) -> Tokenizer:
+        raise AssertionError("the GGUF's vocabulary was parsed again")
+
+    monkeypatch.setattr(Tokenizer, "from_gguf", staticmethod(parse))
+    second = load_mod.load_tokenizer(path)
+    text = "def add(a, b):\n    return a + b"
+    assert second.encode(text) == first.encode(text) and second.eos_token_id == first.eos_token_id
+    conv_dir, weights = load_mod.converted_gguf(path, torch.float32)
+    assert conv_dir == conv and weights.is_file() and (conv / "specdecode_config.json").is_file()

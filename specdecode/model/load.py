@@ -103,8 +103,9 @@ def _convert_gguf(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
     try:
-        if not out_dir.exists():
+        if not (out_dir / "tokenizer_config.json").exists():
             Tokenizer.from_gguf(gguf_path).save(tmp)
+        if not (out_dir / "specdecode_config.json").exists():
             (tmp / "specdecode_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
         save_file(tensors, str(tmp / f"model-{_dtype_tag(dtype)}.safetensors"))
         out_dir.mkdir(exist_ok=True)
@@ -242,7 +243,26 @@ def load_tokenizer(path: Path) -> Tokenizer:
     conv = _converted_dir(path)
     if (conv / "tokenizer_config.json").exists():
         return Tokenizer.from_dir(conv)
-    return Tokenizer.from_gguf(path)
+    tok = Tokenizer.from_gguf(path)  # parsing a large vocabulary out of the GGUF takes seconds: kept for next time
+    _keep_tokenizer(tok, conv)
+    return tok
+
+
+def _keep_tokenizer(tok: Tokenizer, conv: Path) -> None:
+    """Save the tokenizer into the model's converted directory (atomically, file by file); a cache that cannot be
+    written costs the next load the parse again, never this one."""
+    try:
+        conv.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=conv.parent, prefix=".tmp-"))
+        try:
+            tok.save(tmp)
+            conv.mkdir(exist_ok=True)
+            for f in sorted(tmp.iterdir(), key=lambda f: f.name == "tokenizer_config.json"):  # the marker last
+                f.replace(conv / f.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        logger.warning("cannot keep the tokenizer in %s (%s): the next load parses the GGUF again", conv, exc)
 
 
 _PLAIN_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
