@@ -227,3 +227,23 @@ def test_the_catch_up_is_spread_over_the_expected_length_not_max_tokens() -> Non
     assert catch_up_share(50, 0.01, 10_000, 1.0, dip=False, expected_length=40) == pytest.approx(0.5 / 40)
     assert catch_up_share(50, 0.01, 20, 1.0, dip=False, expected_length=40) == pytest.approx(0.5 / 20)
     assert catch_up_share(50, 0.01, 10_000, 2.0, dip=False, expected_length=10_000) == pytest.approx(0.5 / 5000)
+
+
+def test_a_cache_hit_warms_the_target_up_untimed(tiny_llama_dir: Path, cached: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is timed on a hit, but every one-row forward shape runs once at load, so that the first request
+    does not pay the first calls' costs."""
+    first = _llm(tiny_llama_dir)
+    assert first.measurement is not None and not first.measurement.restored
+    _no_timing(monkeypatch)
+    shapes: list[int] = []
+    real = CostMeasurement.warm_up
+
+    def counted(self: CostMeasurement) -> None:
+        shapes.extend(self.ts)
+        real(self)
+
+    monkeypatch.setattr(CostMeasurement, "warm_up", counted)
+    second = _llm(tiny_llama_dir)
+    assert second.measurement is not None and second.measurement.restored
+    assert shapes == second.measurement.ts and len(shapes) > 1

@@ -223,6 +223,8 @@ class LLM:
         if proposer is not None and self.fixed_k is None:
             self.measurement = self._cached_measurement(proposer)
             self.cost = self._measured(1)
+            if self.measurement.restored:  # nothing ran yet: the first request would pay the first calls
+                self.measurement.warm_up()
         self.engine = self._engine(proposer, self.cost, max_num_seqs, None, allocate=False)
         """The engine of `generate` and `stream` (its cache grows to the rows a call needs)."""
 

@@ -49,6 +49,8 @@ class CostMeasurement:
         """(rows, tokens per row) -> median seconds of that forward."""
         self.draft: tuple[float, float] | None = None
         """The proposer's (seconds per drafted token, seconds per catch-up token), measured once (None: not yet)."""
+        self.restored = False
+        """The costs came from an earlier process (`restore`): nothing was timed here."""
 
     def cost(self, rows: int) -> CostModel:
         """The cost model covering batches of up to `rows` rows (measuring what is missing)."""
@@ -120,4 +122,16 @@ class CostMeasurement:
         if not whole or any(s not in medians for s in wanted):
             return False
         self.rows, self.medians, self.draft = rows, medians, (draft[0], draft[1])
+        self.restored = True
         return True
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run each one-row forward shape of the target once, untimed: a process whose costs come from the cache
+        would otherwise pay the first calls' costs (allocations, the native stack's build, first touches of
+        scratch memory) in its first request, which then runs slower than later ones."""
+        cache = self.target.new_cache(1, self.context + max(self.ts) + 1)
+        if self.context:
+            _forward(self.target, cache, 1, self.context, 0)
+        for t in self.ts:
+            _forward(self.target, cache, 1, t, self.context)
