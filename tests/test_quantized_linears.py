@@ -31,7 +31,9 @@ from specdecode.model.int8_linear import Int8DynamicLinear, Int8WeightLinear
 
 TOKENS = [1, 4, 16]
 SHAPES = [(256, 512), (512, 256)]  # (out_features, in_features): multiples of the int4 group and tiles
-CONVERTED = [f for f in FORMATS if f not in ("none", "f32")]  # f32: fp32 models only (test_native_kernels)
+CONVERTED = [f for f in FORMATS if f not in ("none", "f32", "q8_0")]
+"""f32: fp32 models only (test_native_kernels); q8_0: GGUF blocks with int8 activations per block of 32, tested
+against the `gguf` package's dequantization in test_gguf_kernels and as a head format in test_format_choice."""
 
 
 def convert(lin: nn.Linear, fmt: str) -> nn.Module:
@@ -149,7 +151,7 @@ def test_int8_dynamic_bytes_counted() -> None:
 
 def test_quantization_choices_agree() -> None:
     assert QUANTIZATIONS == ("none", "int8", "int8-dynamic", "int4", "gguf")
-    assert DRAFT_QUANTIZATIONS == ("auto", *QUANTIZATIONS, "int4-hybrid")
+    assert DRAFT_QUANTIZATIONS == ("auto", *QUANTIZATIONS, "int4-hybrid", "q8_0")
     args = build_parser().parse_args(["generate", "hi", "--quantization", "int8-dynamic"])
     assert args.quantization == "int8-dynamic"
     with pytest.raises(SystemExit):
