@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_helpers import GREEDY, tiny_prompts
 
 from specdecode import LLM, SamplingParams
@@ -247,3 +248,27 @@ def test_a_cache_hit_warms_the_target_up_untimed(tiny_llama_dir: Path, cached: P
     second = _llm(tiny_llama_dir)
     assert second.measurement is not None and second.measurement.restored
     assert shapes == second.measurement.ts and len(shapes) > 1
+
+
+def test_the_draft_is_priced_against_a_target_forward_timed_around_it(tiny_llama_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow spell while the draft is timed (here: every forward around it takes twice the measured one-token
+    time) must not make the draft look dearer against the target: its times are scaled to the target's."""
+    from specdecode.model.load import load_model
+
+    class Fixed:
+        capabilities = type("Caps", (), {"catch_up": True, "trees": False})()
+
+        def step_cost_hint(self) -> float:
+            return 0.010
+
+        def catch_up_token_seconds(self) -> float:
+            return 0.002
+
+    target = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu").model
+    m = CostMeasurement(target, Fixed(), 4, 256)  # type: ignore[arg-type]
+    m.cost(1)
+    one = m.medians[(1, 1)]
+    m.draft = None
+    monkeypatch.setattr(CostMeasurement, "_one_token_seconds", lambda self, samples=3: 2 * one)
+    assert m._draft_costs() == pytest.approx((0.005, 0.001))

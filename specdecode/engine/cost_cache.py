@@ -29,7 +29,7 @@ from specdecode.fetch import KNOWN_MODELS, models_home
 logger = logging.getLogger(__name__)
 
 COST_CACHE_ENV = "SPECDECODE_COST_CACHE"
-FORMAT = 1
+FORMAT = 2
 """The file layout's version (part of the key: a new layout never reads an old file)."""
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
 """The CPU flags (as /proc/cpuinfo and lscpu name them) the kernels choose by."""

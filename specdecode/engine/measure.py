@@ -97,9 +97,33 @@ class CostMeasurement:
     def _draft_costs(self) -> tuple[float, float]:
         if self.draft is None:
             p = self.proposer
-            self.draft = (p.step_cost_hint() if p is not None else 0.0,
-                          p.catch_up_token_seconds() if p is not None and p.capabilities.catch_up else 0.0)
+            if p is None:
+                self.draft = (0.0, 0.0)
+                return self.draft
+            before = self._one_token_seconds()
+            step = p.step_cost_hint()
+            catch_up = p.catch_up_token_seconds() if p.capabilities.catch_up else 0.0
+            # What decides drafting is the draft's cost against the target's. Timed minutes apart on a shared
+            # machine, a slow spell during one of them skews that ratio for every later process that reads the
+            # cost cache; so the draft's times are taken relative to a target forward timed right around them.
+            scale = 1.0
+            if step > 0 and (1, 1) in self.medians:
+                around = (before + self._one_token_seconds()) / 2
+                scale = self.medians[(1, 1)] / around if around > 0 else 1.0
+            self.draft = (step * scale, catch_up * scale)
         return self.draft
+
+    def _one_token_seconds(self, samples: int = 3) -> float:
+        """Median seconds of a one-token target forward after the context, timed now."""
+        cache = self.target.new_cache(1, self.context + 2)
+        if self.context:
+            _forward(self.target, cache, 1, self.context, 0)
+        times = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            _forward(self.target, cache, 1, 1, self.context)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
     def record(self) -> dict[str, Any]:
         """What was measured, JSON-ready (for `restore` in a later process on the same machine and set-up)."""
