@@ -257,7 +257,7 @@ def test_the_draft_is_priced_against_a_target_forward_timed_around_it(tiny_llama
     from specdecode.model.load import load_model
 
     class Fixed:
-        capabilities = type("Caps", (), {"catch_up": True, "trees": False})()
+        capabilities = type("Caps", (), {"catch_up": True, "trees": False, "lookup": False})()
 
         def step_cost_hint(self) -> float:
             return 0.010
@@ -270,5 +270,5 @@ def test_the_draft_is_priced_against_a_target_forward_timed_around_it(tiny_llama
     m.cost(1)
     one = m.medians[(1, 1)]
     m.draft = None
-    monkeypatch.setattr(CostMeasurement, "_one_token_seconds", lambda self, samples=3: 2 * one)
+    monkeypatch.setattr(CostMeasurement, "_one_token_seconds", lambda self: 2 * one)
     assert m._draft_costs() == pytest.approx((0.005, 0.001))

@@ -66,6 +66,10 @@ class CostMeasurement:
         return self._model()
 
     def _time(self, shapes: list[tuple[int, int]], rows: int) -> None:
+        self.medians.update({s: statistics.median(v) for s, v in self._samples(shapes, rows, self.repeats).items()})
+
+    def _samples(self, shapes: list[tuple[int, int]], rows: int, rounds: int) -> dict[tuple[int, int], list[float]]:
+        """Seconds of each (rows, tokens) forward after the context, in `rounds` rounds over every shape."""
         target = self.target
         cache = target.new_cache(rows, self.context + max(t for _, t in shapes) + 1)
         if self.context:
@@ -73,12 +77,12 @@ class CostMeasurement:
             for row in range(1, rows):
                 cache.copy_prefix(0, row, self.context)
         samples: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
-        for _ in range(self.repeats):  # rounds over every shape: a slow spell of a shared machine slows all
+        for _ in range(rounds):  # rounds over every shape: a slow spell of a shared machine slows all
             for b, t in shapes:  # alike, so the ratios that choose k and the tree stay right
                 t0 = time.perf_counter()
                 _forward(target, cache, b, t, self.context)
                 samples[(b, t)].append(time.perf_counter() - t0)
-        self.medians.update({s: statistics.median(v) for s, v in samples.items()})
+        return samples
 
     def _model(self) -> CostModel:
         points: dict[int, float] = {}
@@ -97,7 +101,7 @@ class CostMeasurement:
     def _draft_costs(self) -> tuple[float, float]:
         if self.draft is None:
             p = self.proposer
-            if p is None:
+            if p is None or p.capabilities.lookup:  # lookups draft for free: nothing to time
                 self.draft = (0.0, 0.0)
                 return self.draft
             before = self._one_token_seconds()
@@ -113,17 +117,9 @@ class CostMeasurement:
             self.draft = (step * scale, catch_up * scale)
         return self.draft
 
-    def _one_token_seconds(self, samples: int = 3) -> float:
+    def _one_token_seconds(self) -> float:
         """Median seconds of a one-token target forward after the context, timed now."""
-        cache = self.target.new_cache(1, self.context + 2)
-        if self.context:
-            _forward(self.target, cache, 1, self.context, 0)
-        times = []
-        for _ in range(samples):
-            t0 = time.perf_counter()
-            _forward(self.target, cache, 1, 1, self.context)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return statistics.median(self._samples([(1, 1)], 1, self.repeats)[(1, 1)])
 
     def record(self) -> dict[str, Any]:
         """What was measured, JSON-ready (for `restore` in a later process on the same machine and set-up)."""
@@ -154,8 +150,4 @@ class CostMeasurement:
         """Run each one-row forward shape of the target once, untimed: a process whose costs come from the cache
         would otherwise pay the first calls' costs (allocations, the native stack's build, first touches of
         scratch memory) in its first request, which then runs slower than later ones."""
-        cache = self.target.new_cache(1, self.context + max(self.ts) + 1)
-        if self.context:
-            _forward(self.target, cache, 1, self.context, 0)
-        for t in self.ts:
-            _forward(self.target, cache, 1, t, self.context)
+        self._samples([(1, t) for t in self.ts], 1, 1)
