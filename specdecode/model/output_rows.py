@@ -44,9 +44,9 @@ def restrict_output(model: Transformer, ids: torch.Tensor) -> None:
         if len(index) % TILE:
             raise ValueError(f"a GGUF output matrix keeps rows in tiles of {TILE}, not {len(index)}")
         qtype, raw = head.source
-        rows = np.ascontiguousarray(np.asarray(raw)[index.numpy()])
-        small: nn.Module = GGUFLinear([(qtype, rows)], d, kernel=head.kernel)
-        small.source = (qtype, rows)
+        # The kept rows' blocks are re-tiled and then dropped: only the tiles stay (a cut matrix is cut once).
+        small: nn.Module = GGUFLinear([(qtype, np.ascontiguousarray(np.asarray(raw)[index.numpy()]))], d,
+                                      kernel=head.kernel)
     else:
         weight = head.weight.detach()[index]  # [Vd, D]; a copy, so a tied embedding table stays whole
         small = nn.Linear(d, len(index), bias=False, dtype=weight.dtype, device=weight.device)
