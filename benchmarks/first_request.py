@@ -72,11 +72,10 @@ def main() -> None:
     if args.child:
         child([int(i) for i in args.child.split(",")], args)
         return
-    from specdecode import cpu_isa
+    from specdecode.bench.machine import cpu_line
     from specdecode.fetch import models_home
 
-    name, flags = cpu_isa.cpuinfo()
-    print(f"{name}, {os.cpu_count()} logical cores, class {cpu_isa.effective()}; flags: {' '.join(sorted(flags))}")
+    print(cpu_line())
     real = models_home()
     with tempfile.TemporaryDirectory() as tmp:
         for sub in ("models", "native", "converted"):  # the real files; the costs start empty

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import subprocess
 import sys
 import time
@@ -101,16 +100,14 @@ def main() -> None:
         print(json.dumps(profile(args.child, args.model, args.draft, args.prompts, args.max_tokens)))
         return
     from specdecode import cpu_isa
+    from specdecode.bench.machine import class_env, cpu_line
 
-    name, flags = cpu_isa.cpuinfo()
-    print(f"{name}, {os.cpu_count()} logical cores, class {cpu_isa.detected()}; flags: {' '.join(sorted(flags))}")
+    print(cpu_line())
     print("\nms per decode step (ms per output token in brackets for the step total)\n")
     print("| class | method | tokens/step | " + " | ".join(PHASES) + " | step (token) |")
     print("|---|---|---:|" + "---:|" * (len(PHASES) + 1))
     for cls in args.classes.split(","):
-        env = {k: v for k, v in os.environ.items() if k not in ("SPECDECODE_ISA", "SPECDECODE_GGUF_ISA")}
-        if cls != "best":
-            env["SPECDECODE_ISA"] = cls
+        env = class_env(cls)
         for method in args.methods.split(","):
             out = subprocess.run([sys.executable, __file__, "--child", method, "--model", args.model, "--draft",
                                   args.draft, "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens)],

@@ -79,3 +79,13 @@ def test_torch_is_capped_when_imported_after_the_package() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**env, cpu_isa.ENV: "avx2"}, capture_output=True,
                          text=True, check=True, timeout=120)
     assert out.stdout.split() == ["AVX2", "AVX2"]
+
+
+def test_a_benchmark_child_runs_as_the_class_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdecode.bench.machine import class_env, cpu_line
+
+    monkeypatch.setenv("SPECDECODE_ISA", "avx512vnni")
+    monkeypatch.setenv("SPECDECODE_GGUF_ISA", "avx2")
+    assert class_env("avx2")["SPECDECODE_ISA"] == "avx2" and "SPECDECODE_GGUF_ISA" not in class_env("avx2")
+    assert "SPECDECODE_ISA" not in class_env("best")
+    assert f"class {cpu_isa.effective()} (forced; the CPU's own: {cpu_isa.detected()})" in cpu_line()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -94,19 +93,16 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure_class(args.model, args.rows, args.rounds, args.threads)))
         return
-    from specdecode import cpu_isa
+    from specdecode.bench.machine import class_env, cpu_line
 
-    name, flags = cpu_isa.cpuinfo()
-    print(f"{name}, {os.cpu_count()} logical cores, class {cpu_isa.detected()}; flags: {' '.join(sorted(flags))}")
+    print(cpu_line())
     rates = instruction_rates()
     for name, (rate, products) in rates.items():
         print(f"  {name:20s} {rate:.2f} G/s per core, {products} products")
     print(f"\n| class | kernel | ms at 1 row | ms at {args.rows} rows | marginal ms/row | bound ms/row | ratio |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for cls in args.classes.split(","):
-        env = {k: v for k, v in os.environ.items() if k not in ("SPECDECODE_ISA", "SPECDECODE_GGUF_ISA")}
-        if cls != "best":
-            env["SPECDECODE_ISA"] = cls
+        env = class_env(cls)
         out = subprocess.run([sys.executable, __file__, "--child", "--model", args.model, "--rows", str(args.rows),
                               "--rounds", str(args.rounds), "--threads", str(args.threads)],
                              env=env, check=True, capture_output=True, text=True).stdout

@@ -54,3 +54,21 @@ def machine_info() -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - absent or broken: just not reported
             info[mod] = None
     return info
+
+
+def cpu_line() -> str:
+    """The CPU's model, logical cores, the class the kernels run as and the flags line, for a benchmark's output."""
+    name, flags = cpu_isa.cpuinfo()
+    forced = f" (forced; the CPU's own: {cpu_isa.detected()})" if cpu_isa.forced() else ""
+    return (f"{name}, {os.cpu_count()} logical cores, class {cpu_isa.effective()}{forced}; "
+            f"flags: {' '.join(sorted(flags))}")
+
+
+def class_env(cls: str) -> dict[str, str]:
+    """This process's environment for a child that runs as CPU class `cls` ("best": the CPU's own); the class
+    switch is read when the package is imported, so a class needs a process of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in (cpu_isa.ENV, "SPECDECODE_GGUF_ISA")}
+    if cls != "best":
+        env[cpu_isa.ENV] = cls
+    return env
+
