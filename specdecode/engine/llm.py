@@ -180,7 +180,7 @@ class LLM:
                                                        if self.draft_quantization == "gguf" else None))], self.device)
             draft_format = self.draft_quantization
             self.draft = load_resolved(draft_path, str(spec.model), draft_dtype, self.device,
-                                       "gguf" if draft_format == "gguf" else "none")
+                                       "gguf" if draft_format == "gguf" else "none", draft_tokenizer)
             drafter = (str(spec.model), draft_path, draft_linear_format(draft_format, draft_dtype, self.device))
             vocab_rows = DRAFT_VOCAB_SIZE if spec.draft_vocab_size is None else spec.draft_vocab_size
             if 0 < vocab_rows < draft_cfg.vocab_size:

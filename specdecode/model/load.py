@@ -148,11 +148,10 @@ def _stale_conversion(path: Path, cfg_file: Path) -> bool:
     return dataclasses.replace(stored, rope_freq_factors=None) != header
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer, ModelConfig]:
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, ModelConfig]:
     conv, weights = converted_gguf(path, dtype)
     cfg = ModelConfig(**json.loads((conv / "specdecode_config.json").read_text()))
-    model = _build(cfg, _read_safetensors([weights], dtype), device)
-    return model, Tokenizer.from_dir(conv), cfg
+    return _build(cfg, _read_safetensors([weights], dtype), device), cfg
 
 
 def _forget_cached(path: Path) -> None:
@@ -163,11 +162,10 @@ def _forget_cached(path: Path) -> None:
         path.with_name(path.name + ".sha256").unlink(missing_ok=True)
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer, ModelConfig]:
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Transformer, ModelConfig]:
     cfg = config_from_hf(json.loads((path / "config.json").read_text()))
     files = sorted(path.glob("*.safetensors"))
-    model = _build(cfg, _read_safetensors(files, dtype), device)
-    return model, Tokenizer.from_dir(path), cfg
+    return _build(cfg, _read_safetensors(files, dtype), device), cfg
 
 
 def load_model(
@@ -219,8 +217,9 @@ def resolve_draft_quantization(requested: str, path: Path, dtype: torch.dtype, d
 
 
 def load_resolved(path: Path, name: str, dtype: torch.dtype, device: torch.device,
-                  quantization: str = "none") -> LoadedModel:
-    """quantization "gguf": a GGUF's quantized blocks kept as they are (`gguf_model`), not dequantized."""
+                  quantization: str = "none", tokenizer: Tokenizer | None = None) -> LoadedModel:
+    """quantization "gguf": a GGUF's quantized blocks kept as they are (`gguf_model`), not dequantized.
+    `tokenizer`: the model's, where the caller has loaded it already (else `load_tokenizer`)."""
     with timed_step(logger, f"loaded {name} ({_dtype_tag(dtype)}, {device})"):
         if quantization == "gguf":
             if path.is_dir() or device.type != "cpu":
@@ -228,11 +227,11 @@ def load_resolved(path: Path, name: str, dtype: torch.dtype, device: torch.devic
             from specdecode.model.gguf_model import load_native
 
             model, cfg = load_native(path, dtype)
-            return LoadedModel(model=model, tokenizer=load_tokenizer(path), config=cfg, path=path, name=name)
-        if path.is_dir():
-            model, tok, cfg = _load_hf_dir(path, dtype, device)
+        elif path.is_dir():
+            model, cfg = _load_hf_dir(path, dtype, device)
         else:
-            model, tok, cfg = _load_gguf(path, dtype, device)
+            model, cfg = _load_gguf(path, dtype, device)
+        tok = tokenizer if tokenizer is not None else load_tokenizer(path)
     return LoadedModel(model=model, tokenizer=tok, config=cfg, path=path, name=name)
 
 
