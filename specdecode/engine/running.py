@@ -23,7 +23,8 @@ class Running:
     started: float = 0.0
     """perf_counter when its first prefill forward began (0: not yet)."""
     guess_rate: AcceptanceTracker = field(default_factory=lambda: AcceptanceTracker(per_position=False))
-    """Acceptance of the prompt-lookup guess proposed alone, one rate for every position (engine/lookup_guess.py)."""
+    """Acceptance per drafted token of the prompt-lookup guess proposed alone (engine/lookup_guess.py), or of a
+    scored lookup's drafts (capabilities.scored): one rate for every position."""
     guessed: int = 0
     """Tokens of the guess the row proposed alone in this step (0: its drafter's tree, or nothing)."""
     features: torch.Tensor | None = None

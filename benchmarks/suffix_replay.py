@@ -1,0 +1,126 @@
+"""Replay plain answers through the suffix proposer's draft sizing, without the model: a quick way to try a sizing
+rule on a tuning set before a benchmark measures it.
+
+A `specdecode bench` run of `plain@gguf` records every prompt's tokens and its greedy answer. Greedy verification
+keeps a draft's longest path that the answer follows, so the steps a sizing rule takes are known exactly; their
+time comes from the target's measured forward costs (`--costs`: a JSON list of seconds for a forward over 1, 2, ...
+tokens, e.g. `LLM(...).cost.target_seconds`). Rounds work as in the benchmark: the store learns the earlier answers
+of the same round. The ratio printed is plain's time over the rule's, prefill (from the records) included.
+
+    python benchmarks/suffix_replay.py BENCH_OUT_DIR --costs COSTS.json [--tasks agent,repeated_format]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from specdecode.cost_model import CostModel
+from specdecode.engine.adaptive import AcceptanceTracker, choose_k
+from specdecode.engine.schedule import scored_length
+from specdecode.proposers.suffix import MIN_NODE_PROB, SPEC_FACTOR
+from specdecode.proposers.suffix_index import SuffixStore
+from specdecode.proposers.suffix_source import SuffixSource
+from specdecode.proposers.suffix_trie import SuffixTree
+
+
+class Row:
+    """What a row's sizing reads and learns: the policy's per-position acceptance and the lookup's one rate."""
+
+    def __init__(self) -> None:
+        self.policy = AcceptanceTracker()
+        self.rate = AcceptanceTracker(per_position=False)
+
+    def update(self, depth: int, kept: int) -> None:
+        self.policy.update(depth, kept)
+        self.rate.update(depth, kept)
+
+
+Sizing = Callable[[SuffixSource, list[int], Row, CostModel, int], SuffixTree]
+
+
+def by_running_acceptance(source: SuffixSource, context: list[int], row: Row, cost: CostModel,
+                          k_max: int) -> SuffixTree:
+    """k from the row's running acceptance, then at most one node per matched token (a fixed k's rule)."""
+    k = choose_k(row.policy, cost, k_max)
+    trie = source.trie(context, None, k)
+    return trie.tree(min(k, math.ceil(SPEC_FACTOR * trie.match_length)), MIN_NODE_PROB)
+
+
+def by_node_chances(source: SuffixSource, context: list[int], row: Row, cost: CostModel, k_max: int) -> SuffixTree:
+    """The engine's scored sizing: the likeliest nodes that pay for their verification."""
+    tree = source.trie(context, None, k_max).tree(k_max, MIN_NODE_PROB)
+    return tree.first(scored_length(tree.chances(row.rate.alpha(0)), cost))
+
+
+SIZINGS: dict[str, Sizing] = {"running acceptance": by_running_acceptance, "node chances": by_node_chances}
+
+
+def accepted_path(tree: SuffixTree, answer: list[int]) -> int:
+    """Draft nodes greedy verification keeps: the longest path from the root that `answer` follows."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        children.setdefault(parent, {})[tok] = i + 1
+    node, kept = 0, 0
+    while kept < len(answer) and answer[kept] in children.get(node, {}):
+        node = children[node][answer[kept]]
+        kept += 1
+    return kept
+
+
+def depth(tree: SuffixTree) -> int:
+    depths = [0]
+    for parent in tree.parents:
+        depths.append(depths[parent] + 1)
+    return max(depths)
+
+
+def replay(prompt: list[int], answer: list[int], source: SuffixSource, cost: CostModel, k_max: int,
+           sizing: Sizing) -> float:
+    """Seconds of the decode steps (the prefill emits answer[0] and is the same for every rule)."""
+    row, i, seconds = Row(), 1, 0.0
+    while i < len(answer):
+        tree = sizing(source, prompt + answer[:i], row, cost, k_max)
+        kept = accepted_path(tree, answer[i:])
+        seconds += cost.target_forward_seconds(len(tree.tokens) + 1)
+        row.update(depth(tree), kept)
+        i += kept + 1
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bench_out", type=Path, help="a bench --out folder with a plain@gguf run")
+    ap.add_argument("--costs", type=Path, required=True)
+    ap.add_argument("--tasks", default="", help="comma-separated (default: every task of the run)")
+    ap.add_argument("--k-max", type=int, default=16)
+    ap.add_argument("--round-size", type=int, default=12)
+    args = ap.parse_args()
+    cost = CostModel(tuple(json.loads(args.costs.read_text())))
+    records = [json.loads(line) for line in (args.bench_out / "records.jsonl").read_text().splitlines()]
+    prompts = json.loads((args.bench_out / "run-state.json").read_text())["prompt_ids"]
+    plain = [r for r in records if r["method"].startswith("plain")]
+    order = list(dict.fromkeys(r["task"] for r in plain))  # the dataset's task order: prompt_ids follow it
+    offset = {t: sum(1 for r in plain if r["task"] in order[:i]) for i, t in enumerate(order)}
+    tasks = [t for t in args.tasks.split(",") if t] or order
+    for name, sizing in SIZINGS.items():
+        cells = []
+        for task in tasks:
+            rows = sorted((r for r in plain if r["task"] == task), key=lambda r: r["prompt_index"])
+            plain_seconds = seconds = 0.0
+            for start in range(0, len(rows), args.round_size):
+                source = SuffixSource(2, SuffixStore())
+                for r in rows[start:start + args.round_size]:
+                    prompt, answer = prompts[offset[task] + r["prompt_index"]], r["token_ids"]
+                    seconds += r["prefill_seconds"] + replay(prompt, answer, source, cost, args.k_max, sizing)
+                    plain_seconds += r["prefill_seconds"] + (len(answer) - 1) * cost.target_forward_seconds(1)
+                    source.remember(None, prompt + answer, len(prompt))
+            cells.append(f"{task} {plain_seconds / seconds:.3f}x")
+        print(f"{name:>20}: " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
