@@ -1,6 +1,11 @@
 """Replay plain answers through the suffix proposer's draft sizing, without the model: a quick way to try a sizing
 rule on a tuning set before a benchmark measures it.
 
+Two rules: the engine's (k from the row's running acceptance, then at most one node per matched token) and one by
+node chances (each trie node's share of the occurrences times the row's rate per drafted token for each level, and
+the likeliest nodes that promise the most tokens per second over their forward), as suffix decoding's paper sizes
+its trees.
+
 A `specdecode bench` run of `plain@gguf` records every prompt's tokens and its greedy answer. Greedy verification
 keeps a draft's longest path that the answer follows, so the steps a sizing rule takes are known exactly; their
 time comes from the target's measured forward costs (`--costs`: a JSON list of seconds for a forward over 1, 2, ...
@@ -20,7 +25,6 @@ from pathlib import Path
 
 from specdecode.cost_model import CostModel
 from specdecode.engine.adaptive import AcceptanceTracker, choose_k
-from specdecode.engine.schedule import scored_length
 from specdecode.proposers.suffix import MIN_NODE_PROB, SPEC_FACTOR
 from specdecode.proposers.suffix_index import SuffixStore
 from specdecode.proposers.suffix_source import SuffixSource
@@ -51,9 +55,18 @@ def by_running_acceptance(source: SuffixSource, context: list[int], row: Row, co
 
 
 def by_node_chances(source: SuffixSource, context: list[int], row: Row, cost: CostModel, k_max: int) -> SuffixTree:
-    """The engine's scored sizing: the likeliest nodes that pay for their verification."""
+    """The likeliest nodes (a node is never likelier than its parent) that promise the most tokens per second."""
     tree = source.trie(context, None, k_max).tree(k_max, MIN_NODE_PROB)
-    return tree.first(scored_length(tree.chances(row.rate.alpha(0)), cost))
+    depths = [0]
+    for parent in tree.parents:
+        depths.append(depths[parent] + 1)
+    rate = row.rate.alpha(0)
+    best_n, best_rate, total = 0, 1.0 / cost.target_forward_seconds(1), 1.0
+    for n, (p, d) in enumerate(zip(tree.probs, depths[1:], strict=True), start=1):
+        total += p * rate**d
+        if total / cost.target_forward_seconds(n + 1) > best_rate * (1.0 + 1e-9):
+            best_n, best_rate = n, total / cost.target_forward_seconds(n + 1)
+    return SuffixTree(tree.tokens[:best_n], tree.parents[:best_n], tree.probs[:best_n])
 
 
 SIZINGS: dict[str, Sizing] = {"running acceptance": by_running_acceptance, "node chances": by_node_chances}

@@ -318,17 +318,3 @@ def test_a_probe_the_lookup_guess_replaces_starts_a_new_interval() -> None:
         ks.append(policy.next_k(8))
         policy.observe(ks[-1], 0)
     assert ks == [0] * 16 + [1]
-
-
-def test_a_scored_lookup_draft_keeps_the_nodes_that_pay_for_their_rows() -> None:
-    from specdecode.engine.schedule import PreferredDraft, choose_lengths, scored_length
-
-    rows_cost = CostModel((1.0, 1.2, 1.4, 1.6, 1.8, 2.0))  # every verified token costs a fifth of a forward
-    sure, then_weak = [0.95, 0.9, 0.85, 0.8], [0.1, 0.05]
-    assert scored_length(sure + then_weak, rows_cost) == 4  # a node of chance 0.1 does not pay 0.2 of a forward
-    assert scored_length([0.1, 0.05], rows_cost) == 0  # a weak guess alone is not worth a wider forward
-    assert scored_length(sure + then_weak, CostModel((1.0,) * 7)) == 6  # verification for free: every node
-    assert scored_length([], rows_cost) == 0
-    alone = PreferredDraft(4, AdaptiveK(rows_cost), chances=sure + then_weak)
-    assert alone.expected_tokens(2) == pytest.approx(2.85)
-    assert choose_lengths([alone], rows_cost, 1, 8).ks == [4]  # a lone row keeps its own choice

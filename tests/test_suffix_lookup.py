@@ -32,15 +32,6 @@ def test_the_trie_counts_continuations_and_ranks_nodes_by_their_share() -> None:
     assert not ContinuationTrie([], 4) and ContinuationTrie([], 4).tree(4).tokens == []
 
 
-def test_a_nodes_chance_is_its_share_times_the_rows_rate_per_level() -> None:
-    tree = ContinuationTrie([[1, 2, 3], [1, 2, 4], [1, 5], [6]], max_depth=3).tree(max_nodes=10)
-    # depths 1 2 3 3 2 1; shares 0.75 0.5 0.25 0.25 0.25 0.25
-    assert tree.chances(0.5) == pytest.approx([0.375, 0.125, 0.03125, 0.03125, 0.0625, 0.125])
-    lone = ContinuationTrie([[7, 8, 9, 10]], max_depth=4).tree(4)
-    assert lone.probs == [1.0] * 4 and lone.chances(0.9) == pytest.approx([0.9, 0.81, 0.729, 0.6561])
-    assert tree.first(2).tokens == [1, 2] and tree.first(2).parents == [0, 1] and tree.first(0).tokens == []
-
-
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 4), max_size=6), max_size=8), st.integers(1, 12))
 def test_a_trie_tree_is_a_valid_subtree_of_distinct_siblings(conts: list[list[int]], max_nodes: int) -> None:
@@ -161,19 +152,6 @@ def test_the_suffix_proposer_drafts_at_most_k_nodes_and_one_per_matched_token() 
     (tree,) = rows.propose([_row(branching, 3)])
     assert tree.tokens == [5, 9, 6] and tree.parents == [0, 1, 0]  # the likelier path, then the sibling
     assert rows.propose([_row([1, 2, 3], 4)])[0].tokens == []
-
-
-def test_a_scored_row_proposes_the_tree_it_scored_cut_to_its_k() -> None:
-    rows = SuffixRows(SuffixSource(2, SuffixStore("global")))
-    assert rows.capabilities.scored
-    copy = list(range(10, 30))
-    ask = _row(copy + [0] + copy[:3], 8)  # a 3-token match: a fixed k would draft 3 nodes at most
-    chances = rows.node_chances(ask.key, ask.seq, 8, 0.5)
-    assert chances == pytest.approx([0.5 ** d for d in range(1, 9)])
-    (draft,) = rows.propose([ProposeRow(ask.key, ask.seq, 5, 5)])
-    assert draft.tokens == copy[3:8]  # the scored tree, cut to the k the schedule chose
-    (again,) = rows.propose([ask])  # nothing scored for this step: drafted afresh, one node per matched token
-    assert again.tokens == copy[3:6]
 
 
 def test_the_suffix_proposer_reads_earlier_answers_for_greedy_rows_only() -> None:

@@ -20,7 +20,6 @@ from collections import deque
 import torch
 
 from specdecode.cost_model import CostModel
-from specdecode.engine import schedule
 from specdecode.engine.adaptive import AdaptiveK
 from specdecode.engine.chunking import ChunkTimer
 from specdecode.engine.constrain import constrain_rows
@@ -31,7 +30,7 @@ from specdecode.engine.prefill_share import PrefillShares
 from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.row_faults import guarded, propose_rows
 from specdecode.engine.running import Running
-from specdecode.engine.schedule import Lengths, PreferredDraft, choose_lengths, node_budget, row_cost
+from specdecode.engine.schedule import Lengths, PreferredDraft, catch_up_share, choose_lengths, node_budget, row_cost
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_log import log_step
 from specdecode.engine.step_verify import Verified, append_verified, start_sequence, verify_rows
@@ -344,13 +343,8 @@ class Engine:
         source = None if self.proposer is not None and self.proposer.capabilities.lookup else self.lookup
         for r in self.running:
             allowed = self._allowed(r)
-            if self._scored(r) and allowed > 0:  # its lookup drafts now, sized by its nodes' chances
-                preferred.append(schedule.scored_draft(self.proposer, r, allowed, self.row_cost))
-                guesses.append(RowGuess(r.seq.token_ids, None))
-                continue
             k = r.policy.next_k(allowed) if r.policy is not None else 0
-            catch_up = schedule.row_catch_up(self.proposer, self._cost, r, k, dip,
-                                             self.history.expected_length(r.seq.params))
+            catch_up = self._catch_up_share(r, k, dip) if k > 0 else 0.0
             guess = RowGuess(r.seq.token_ids, source, r.seq.cache_salt, r.seq.params.greedy)
             guess.alone = guess_alone(r, guess, k, allowed, budget, catch_up, self.row_cost)
             guesses.append(guess)
@@ -368,9 +362,14 @@ class Engine:
         seq = r.seq
         return cap_draft_len(self.k_max, len(seq.token_ids), self.max_len, seq.params.max_tokens - seq.num_output)
 
-    def _scored(self, r: Running) -> bool:
-        """An adaptive row of a scored lookup (capabilities.scored): its k comes from its draft's node chances."""
-        return bool(self.proposer and self.proposer.capabilities.scored and r.policy and r.policy.fixed_k is None)
+    def _catch_up_share(self, r: Running, k: int, dip: bool) -> float:
+        """What the row's draft catch-up charges this step (engine/schedule.py `catch_up_share`)."""
+        if self.proposer is None or self._cost is None or not self.proposer.capabilities.catch_up:
+            return 0.0
+        assert r.policy is not None
+        return catch_up_share(self.proposer.catch_up_tokens(r.key, r.seq.view()), self._cost.catch_up_token_seconds,
+                              r.seq.params.max_tokens - r.seq.num_output, r.policy.tracker.expected_tokens(k), dip,
+                              self.history.expected_length(r.seq.params))
 
     def _propose(self, lengths: Lengths) -> list[RowTree]:
         """One proposer call for every row its drafter drafts; the rows the schedule chose it for propose their
@@ -441,9 +440,9 @@ class Engine:
         chain = row.is_chain
         depth, accepted = (min(v.depth, row.drafted), min(len(v.nodes), row.drafted)) if chain else (
             v.depth, len(v.nodes))
-        if r.guessed or self._scored(r):  # a lookup's own rate per drafted token learns
+        if r.guessed:  # the guess alone: its own rate learns, the policy's tree estimate stands
             r.guess_rate.update(depth, accepted)
-        if not r.guessed:  # the guess alone leaves the policy's estimate of its drafter as it was
+        else:
             r.policy.observe(depth, accepted)
         if self.proposer is not None and not r.seq.finished:
             own = sum(1 for n in v.nodes if n <= row.drafted)

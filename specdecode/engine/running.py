@@ -23,8 +23,7 @@ class Running:
     started: float = 0.0
     """perf_counter when its first prefill forward began (0: not yet)."""
     guess_rate: AcceptanceTracker = field(default_factory=lambda: AcceptanceTracker(per_position=False))
-    """Acceptance per drafted token of the prompt-lookup guess proposed alone (engine/lookup_guess.py), or of a
-    scored lookup's drafts (capabilities.scored): one rate for every position."""
+    """Acceptance of the prompt-lookup guess proposed alone, one rate for every position (engine/lookup_guess.py)."""
     guessed: int = 0
     """Tokens of the guess the row proposed alone in this step (0: its drafter's tree, or nothing)."""
     features: torch.Tensor | None = None

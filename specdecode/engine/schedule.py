@@ -14,17 +14,12 @@ A k fixed by the server or by the request is honoured.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from specdecode.cost_model import CostModel, tree_node_budget
 from specdecode.engine.adaptive import AdaptiveK
 from specdecode.engine.lookup_guess import RowGuess, expected_tokens
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, priced_nodes
 from specdecode.tree import MAX_TREE_NODES
-
-if TYPE_CHECKING:
-    from specdecode.engine.running import Running
-    from specdecode.proposers.base import BatchProposer
 
 CATCH_UP_HORIZON_TOKENS = 256
 """The expected output tokens of a request before any request has finished (about a chat answer's length;
@@ -44,9 +39,6 @@ class PreferredDraft:
     guess_rate: float | None = None
     """The row proposes a prompt-lookup guess of k tokens alone, each kept at this rate given the ones before
     (the drafter does not run: no draft steps, no catch-up, a chain of k nodes); None: its drafter drafts."""
-    chances: list[float] | None = None
-    """A scored lookup's draft, drafted already: its nodes' chances of being kept, most likely first, so its
-    first k nodes keep 1 + sum(chances[:k]) tokens on average (priced as a chain of k nodes)."""
 
     def capped(self, rows: int) -> bool:
         """Capped by a batch of `rows` rows: not a fixed k, nor a free probe (one token that keeps a lone row's
@@ -61,8 +53,6 @@ class PreferredDraft:
     def expected_tokens(self, k: int) -> float:
         if self.guess_rate is not None:
             return expected_tokens(self.guess_rate, k)
-        if self.chances is not None:
-            return 1.0 + sum(self.chances[:k])
         return self.policy.tracker.expected_tokens(k) if self.policy is not None else 1.0
 
 
@@ -95,39 +85,6 @@ def node_budget(cost: CostModel | None, k_max: int, rows: int) -> int:
     if cost is None:
         return DEFAULT_NODE_BUDGET
     return min(MAX_TREE_NODES, tree_node_budget(cost, k_max, rows))
-
-
-def row_catch_up(proposer: BatchProposer | None, cost: CostModel | None, row: Running, k: int, dip: bool,
-                 expected_length: float) -> float:
-    """What the row's draft catch-up charges a step at k (`catch_up_share`; 0 for a drafter that never catches up)."""
-    if k <= 0 or proposer is None or cost is None or not proposer.capabilities.catch_up:
-        return 0.0
-    assert row.policy is not None
-    seq = row.seq
-    return catch_up_share(proposer.catch_up_tokens(row.key, seq.view()), cost.catch_up_token_seconds,
-                          seq.params.max_tokens - seq.num_output, row.policy.tracker.expected_tokens(k), dip,
-                          expected_length)
-
-
-def scored_draft(proposer: BatchProposer | None, row: Running, allowed: int, cost: CostModel | None
-                 ) -> PreferredDraft:
-    """What a row of a scored lookup (capabilities.scored) prefers: its draft of up to `allowed` nodes, drafted now,
-    the likeliest nodes that pay alone (`scored_length`), with their chances as its expected tokens."""
-    assert proposer is not None and cost is not None
-    chances = proposer.node_chances(row.key, row.seq.view(), allowed, row.guess_rate.alpha(0))
-    return PreferredDraft(scored_length(chances, cost), row.policy, chances=chances)
-
-
-def scored_length(chances: list[float], cost: CostModel) -> int:
-    """The first nodes of a scored draft (most likely first) that promise a row alone the most tokens per second;
-    ties go to fewer."""
-    best_k, best_rate, total = 0, 1.0 / cost.step_seconds(0), 1.0
-    for k, chance in enumerate(chances, start=1):
-        total += chance
-        rate = total / cost.step_seconds(k)
-        if rate > best_rate * (1.0 + 1e-9):
-            best_k, best_rate = k, rate
-    return best_k
 
 
 def choose_lengths(preferred: list[PreferredDraft], cost: CostModel | None, tree_width: int, k_max: int) -> Lengths:

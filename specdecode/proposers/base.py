@@ -72,9 +72,6 @@ class Capabilities:
     per token; `catch_up_tokens` says how many."""
     lookup: bool = False
     """Its drafts are lookups themselves (n-gram, suffix): the engine offers no lookup guess beside them."""
-    scored: bool = False
-    """Drafts for free and knows each node's chance before the schedule (`node_chances`): an adaptive row's k
-    is sized by those chances rather than by its running acceptance alone."""
 
     @property
     def trees(self) -> bool:
@@ -116,11 +113,6 @@ class BatchProposer(Protocol):
     def propose(self, rows: list[ProposeRow]) -> list[Draft]:
         """Each row's draft of up to k tokens (a tree of depth k, of about node_budget nodes) continuing its
         seq.token_ids; one draft per row, in order."""
-
-    def node_chances(self, key: int, seq: SequenceView, depth: int, rate: float) -> list[float]:
-        """capabilities.scored: row `key`'s draft of up to `depth` nodes, drafted now and kept for this step's
-        `propose`, as each node's chance of being kept (most likely first; `rate`: the row's measured rate per
-        drafted token). Its `propose` then offers the first k nodes."""
 
     def observe_hidden(self, key: int, hidden: torch.Tensor) -> None:
         """The target's features [m, D] of row `key`'s next m kept positions (capabilities.target_hidden)."""

@@ -27,20 +27,6 @@ class SuffixTree:
         """Expected draft tokens kept, if the estimates hold (the sum of the nodes' chances)."""
         return sum(self.probs)
 
-    def chances(self, rate: float) -> list[float]:
-        """Each node's chance of being kept: its share of the occurrences, times `rate` per level. An earlier
-        occurrence's text is itself only a guess of the text to come, which the row's verified drafts show to
-        hold about `rate` of the time per token; a lone occurrence's share is 1 at any depth, so without the
-        rate a copy would look as sure ten tokens ahead as one."""
-        depths = [0]
-        for parent in self.parents:
-            depths.append(depths[parent] + 1)
-        return [p * rate ** d for p, d in zip(self.probs, depths[1:], strict=True)]
-
-    def first(self, n: int) -> SuffixTree:
-        """The n most likely nodes (a valid tree: a node is never more likely than its parent)."""
-        return SuffixTree(self.tokens[:n], self.parents[:n], self.probs[:n])
-
 
 class ContinuationTrie:
     """The continuations of a suffix's occurrences, merged. Ties between equally frequent branches go to the one
