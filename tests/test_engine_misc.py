@@ -452,7 +452,7 @@ def test_batch_cap_counts_the_draft_catch_up(tiny_llama_dir) -> None:
         engine.add(llm.new_sequence(text, params))
     engine.step()
     tokens = {"n": 0}
-    catch_up = dataclasses.replace(engine.proposer.capabilities, catch_up=True)  # as a draft model declares it
+    catch_up = dataclasses.replace(engine.proposer.capabilities, catch_up=True, lookup=False)  # as a draft model
     engine.proposer.capabilities = catch_up
     engine.proposer.catch_up_tokens = lambda key, view: tokens["n"]
     assert max(engine._schedule().ks) > 0
@@ -467,6 +467,31 @@ def test_batch_cap_counts_the_draft_catch_up(tiny_llama_dir) -> None:
     assert engine._schedule().ks == [0, 0]
 
 
+def test_a_lookup_row_is_priced_by_the_nodes_its_lookup_found(tiny_llama_dir) -> None:
+    """A lookup drafts in the schedule: a row whose lookup finds nothing does not widen the batch's forward, a row
+    that finds 2 nodes is priced at 2, and the step proposes each draft once."""
+    llm = LLM(str(tiny_llama_dir), dtype="fp32", speculative_config={"method": "ngram"})
+    engine = llm.batch_engine(max_num_seqs=3)
+    engine.cost = CostModel.from_points({1: 0.1, 64: 0.1}, 64)  # a flat forward: every row would draft k_max
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for text in ("def add(a, b):", "The quick brown fox", "x = 1"):
+        engine.add(llm.new_sequence(text, params))
+    engine.step()
+    found = {engine.running[0].key: [5, 6], engine.running[1].key: []}
+    calls: list[list[int]] = []
+
+    def propose(asks: list[ProposeRow]) -> list[Draft]:
+        calls.append([a.k for a in asks])
+        return [Draft(found.get(a.key, [7, 8, 9, 10])[: a.k]) for a in asks]
+
+    engine.proposer.propose = propose
+    lengths = engine._schedule()
+    assert lengths.ks[:2] == [2, 0] and lengths.ks[2] > 2
+    rows = engine._propose(lengths)
+    assert [r.tokens[1:] for r in rows] == [[5, 6], [], [7, 8, 9, 10][: lengths.ks[2]]]
+    assert len(calls) == 1  # drafted in the schedule only
+
+
 def test_the_prompt_catch_up_is_spread_over_the_rest_of_the_request(tiny_llama_dir) -> None:
     """A draft model's first catch-up (its prefill of the prompt) is paid once for the whole answer: a lone
     request drafts when that pays over its remaining tokens, and a short one does not."""
@@ -478,7 +503,7 @@ def test_the_prompt_catch_up_is_spread_over_the_rest_of_the_request(tiny_llama_d
     # target step, and a catch-up of ~6 ms per prompt token.
     engine.cost = CostModel.from_points({1: 0.052, 3: 0.056, 9: 0.085}, 9, draft_step_seconds=0.016,
                                         catch_up_token_seconds=0.006)
-    engine.proposer.capabilities = dataclasses.replace(engine.proposer.capabilities, catch_up=True)
+    engine.proposer.capabilities = dataclasses.replace(engine.proposer.capabilities, catch_up=True, lookup=False)
     engine.proposer.catch_up_tokens = lambda key, view: 60  # a chat prompt the draft has not seen
     for max_tokens, drafts in ((400, True), (12, False)):
         engine.add(llm.new_sequence("def add(a, b):", SamplingParams(max_tokens=max_tokens, temperature=0)))

@@ -20,17 +20,18 @@ from collections import deque
 import torch
 
 from specdecode.cost_model import CostModel
+from specdecode.engine import schedule
 from specdecode.engine.adaptive import AdaptiveK
 from specdecode.engine.chunking import ChunkTimer
 from specdecode.engine.constrain import constrain_rows
 from specdecode.engine.history import RequestHistory
-from specdecode.engine.lookup_guess import RowGuess, guess_alone, with_lookup_branch
+from specdecode.engine.lookup_guess import RowGuess, guess_alone, lookup_drafts, with_lookup_branch
 from specdecode.engine.plan import RowTree, StepPlan, build_plan
 from specdecode.engine.prefill_share import PrefillShares
 from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.row_faults import guarded, propose_rows
 from specdecode.engine.running import Running
-from specdecode.engine.schedule import Lengths, PreferredDraft, catch_up_share, choose_lengths, node_budget, row_cost
+from specdecode.engine.schedule import Lengths, PreferredDraft, choose_lengths, node_budget, row_cost
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_log import log_step
 from specdecode.engine.step_verify import Verified, append_verified, start_sequence, verify_rows
@@ -340,12 +341,15 @@ class Engine:
         dip = max(self._recent_rows, default=0) > len(self.running)  # a transient dip below the recent load
         budget = node_budget(self._cost, self.k_max, len(self.running))
         preferred, guesses = [], []
-        source = None if self.proposer is not None and self.proposer.capabilities.lookup else self.lookup
-        for r in self.running:
+        lookup = self.proposer is not None and self.proposer.capabilities.lookup
+        ks = [r.policy.next_k(self._allowed(r)) if r.policy is not None else 0 for r in self.running]
+        if lookup:  # a lookup drafts for free: the batch prices the nodes it found, not the k allowed
+            ks = lookup_drafts(self.proposer, self.running, ks, self.target.config.vocab_size)
+        for r, k in zip(self.running, ks, strict=True):
             allowed = self._allowed(r)
-            k = r.policy.next_k(allowed) if r.policy is not None else 0
-            catch_up = self._catch_up_share(r, k, dip) if k > 0 else 0.0
-            guess = RowGuess(r.seq.token_ids, source, r.seq.cache_salt, r.seq.params.greedy)
+            catch_up = schedule.row_catch_up(self.proposer, self._cost, r, k, dip,
+                                             self.history.expected_length(r.seq.params))
+            guess = RowGuess(r.seq.token_ids, None if lookup else self.lookup, r.seq.cache_salt, r.seq.params.greedy)
             guess.alone = guess_alone(r, guess, k, allowed, budget, catch_up, self.row_cost)
             guesses.append(guess)
             preferred.append(PreferredDraft(len(guess.alone), r.policy, guess_rate=r.guess_rate.alpha(0))
@@ -362,28 +366,22 @@ class Engine:
         seq = r.seq
         return cap_draft_len(self.k_max, len(seq.token_ids), self.max_len, seq.params.max_tokens - seq.num_output)
 
-    def _catch_up_share(self, r: Running, k: int, dip: bool) -> float:
-        """What the row's draft catch-up charges this step (engine/schedule.py `catch_up_share`)."""
-        if self.proposer is None or self._cost is None or not self.proposer.capabilities.catch_up:
-            return 0.0
-        assert r.policy is not None
-        return catch_up_share(self.proposer.catch_up_tokens(r.key, r.seq.view()), self._cost.catch_up_token_seconds,
-                              r.seq.params.max_tokens - r.seq.num_output, r.policy.tracker.expected_tokens(k), dip,
-                              self.history.expected_length(r.seq.params))
-
     def _propose(self, lengths: Lengths) -> list[RowTree]:
         """One proposer call for every row its drafter drafts; the rows the schedule chose it for propose their
         lookup guess alone, and the other tree rows get it grafted as one more branch."""
         graft = self.proposer is not None and self.proposer.capabilities.trees
         guesses = lengths.guesses
-        asks = [ProposeRow(r.key, r.seq.view(), k, max(k, lengths.node_budget))
-                for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True) if k > 0 and not guess.alone]
+        asks = [ProposeRow(r.key, r.seq.view(), k, max(k, lengths.node_budget)) for r, k, guess
+                in zip(self.running, lengths.ks, guesses, strict=True) if k > 0 and not guess.alone and not r.drafted]
         seqs, vocab = {r.key: r.seq for r in self.running}, self.target.config.vocab_size
         drafts = iter(propose_rows(self.proposer, asks, seqs, vocab) if self.proposer is not None else [])
         rows = []
         for r, k, guess in zip(self.running, lengths.ks, guesses, strict=True):
             r.guessed = len(guess.alone)
-            drafted = next(drafts) if k > 0 and not guess.alone else Draft(guess.alone)
+            if r.drafted:  # drafted in the schedule; the batch-wide cap may cut it (its first nodes are a tree)
+                drafted = r.drafted.first(k) if k > 0 else Draft()
+            else:
+                drafted = next(drafts) if k > 0 and not guess.alone else Draft(guess.alone)
             draft = with_lookup_branch(drafted, guess, k) if graft else drafted
             rows.append(RowTree.of(r.seq.token_ids[-1], draft, len(drafted)))
         return rows

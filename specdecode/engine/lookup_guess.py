@@ -8,7 +8,8 @@ and a drafter too slow to pay still speeds up the copying); every other tree row
 branch, verified in the same target forward. The row's suffix is matched once per step (`RowGuess`), and the
 guess read at each length asked. A guess's expected tokens use one acceptance rate (the row's `guess_rate`, an
 `AcceptanceTracker` that pools its positions); costs come from the start-up measurement, never from a clock, so a
-seeded request drafts the same way on every run.
+seeded request drafts the same way on every run. Where the proposer is itself a lookup (n-gram, suffix), there is
+no guess beside it; its drafts are made in the schedule instead (`lookup_drafts`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specdecode.cost_model import CostModel
+from specdecode.engine.row_faults import propose_rows
 from specdecode.engine.running import Running
-from specdecode.proposers.base import Draft
+from specdecode.proposers.base import BatchProposer, Draft, ProposeRow
 from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.proposers.suffix_trie import ContinuationTrie
 from specdecode.proposers.tree_growth import graft_chain
@@ -42,6 +44,18 @@ class RowGuess:
         if self._trie is None or n > self._depth:
             self._trie, self._depth = self._source.trie(self._tokens, self._tenant, n, self._shared), n
         return self._trie.chain(n)
+
+
+def lookup_drafts(proposer: BatchProposer, rows: list[Running], ks: list[int], vocab: int) -> list[int]:
+    """A lookup proposer's drafts (n-gram, suffix), drafted in the schedule since they cost nothing: each row's k
+    becomes the nodes its lookup found, so the batch-wide cap prices real nodes and not a k a row cannot fill (a
+    row padded to the widest for nothing costs the whole batch). The drafts are kept for the step
+    (`Running.drafted`)."""
+    asks = [ProposeRow(r.key, r.seq.view(), k, k) for r, k in zip(rows, ks, strict=True) if k > 0]
+    drafts = iter(propose_rows(proposer, asks, {r.key: r.seq for r in rows}, vocab))
+    for r, k in zip(rows, ks, strict=True):
+        r.drafted = next(drafts) if k > 0 else None
+    return [len(r.drafted) if r.drafted is not None else 0 for r in rows]
 
 
 def guess_alone(row: Running, guess: RowGuess, k: int, allowed: int, node_budget: int, catch_up: float,

@@ -9,6 +9,7 @@ import torch
 
 from specdecode.engine.adaptive import AcceptanceTracker, AdaptiveK
 from specdecode.engine.sequence import Sequence
+from specdecode.proposers.base import Draft
 
 
 @dataclass
@@ -26,6 +27,9 @@ class Running:
     """Acceptance of the prompt-lookup guess proposed alone, one rate for every position (engine/lookup_guess.py)."""
     guessed: int = 0
     """Tokens of the guess the row proposed alone in this step (0: its drafter's tree, or nothing)."""
+    drafted: Draft | None = None
+    """A lookup proposer's draft, drafted in this step's schedule (drafting costs nothing, so the batch prices what
+    the lookup found rather than the k it was allowed); None: drafted after the schedule, or not at all."""
     features: torch.Tensor | None = None
     """[size, F] the target's features of the row's kept positions, pooled with its K/V blocks or copied by
     its sibling choices (only for proposers that read them, with the prefix cache on or a prefill group)."""

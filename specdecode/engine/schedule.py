@@ -14,12 +14,17 @@ A k fixed by the server or by the request is honoured.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdecode.cost_model import CostModel, tree_node_budget
 from specdecode.engine.adaptive import AdaptiveK
 from specdecode.engine.lookup_guess import RowGuess, expected_tokens
 from specdecode.proposers.tree_growth import DEFAULT_NODE_BUDGET, priced_nodes
 from specdecode.tree import MAX_TREE_NODES
+
+if TYPE_CHECKING:
+    from specdecode.engine.running import Running
+    from specdecode.proposers.base import BatchProposer
 
 CATCH_UP_HORIZON_TOKENS = 256
 """The expected output tokens of a request before any request has finished (about a chat answer's length;
@@ -85,6 +90,18 @@ def node_budget(cost: CostModel | None, k_max: int, rows: int) -> int:
     if cost is None:
         return DEFAULT_NODE_BUDGET
     return min(MAX_TREE_NODES, tree_node_budget(cost, k_max, rows))
+
+
+def row_catch_up(proposer: BatchProposer | None, cost: CostModel | None, row: Running, k: int, dip: bool,
+                 expected_length: float) -> float:
+    """What the row's draft catch-up charges a step at k (`catch_up_share`; 0 for a drafter that never catches up)."""
+    if k <= 0 or proposer is None or cost is None or not proposer.capabilities.catch_up:
+        return 0.0
+    assert row.policy is not None
+    seq = row.seq
+    return catch_up_share(proposer.catch_up_tokens(row.key, seq.view()), cost.catch_up_token_seconds,
+                          seq.params.max_tokens - seq.num_output, row.policy.tracker.expected_tokens(k), dip,
+                          expected_length)
 
 
 def choose_lengths(preferred: list[PreferredDraft], cost: CostModel | None, tree_width: int, k_max: int) -> Lengths:

@@ -55,6 +55,12 @@ class Draft:
     def is_tree(self) -> bool:
         return self.parents is not None
 
+    def first(self, n: int) -> Draft:
+        """The first n nodes: a tree's parents come before their children, so they are a tree too. Point masses
+        only (a sampled chain's probs rows would be cut too)."""
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                     None if self.parents is None else self.parents[:n])
+
     def __len__(self) -> int:
         return len(self.tokens)
 
