@@ -13,6 +13,7 @@ tokens, e.g. `LLM(...).cost.target_seconds`). Rounds work as in the benchmark: t
 of the same round. The ratio printed is plain's time over the rule's, prefill (from the records) included.
 
     python benchmarks/suffix_replay.py BENCH_OUT_DIR --costs COSTS.json [--tasks agent,repeated_format]
+        [--history-prior]
 """
 
 from __future__ import annotations
@@ -24,23 +25,36 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specdecode.cost_model import CostModel
-from specdecode.engine.adaptive import AcceptanceTracker, choose_k
+from specdecode.engine.adaptive import DEFAULT_PRIOR, AcceptanceTracker, choose_k
 from specdecode.proposers.suffix import MIN_NODE_PROB, SPEC_FACTOR
 from specdecode.proposers.suffix_index import SuffixStore
 from specdecode.proposers.suffix_source import SuffixSource
 from specdecode.proposers.suffix_trie import SuffixTree
 
 
+class History:
+    """The pooled acceptance of earlier rows, which the engine starts a new row from (engine/history.py)."""
+
+    def __init__(self, pooled: bool) -> None:
+        self.pooled, self.observed, self.accepted = pooled, 0, 0
+
+    def prior(self) -> float:
+        return self.accepted / self.observed if self.pooled and self.observed else DEFAULT_PRIOR
+
+
 class Row:
     """What a row's sizing reads and learns: the policy's per-position acceptance and the lookup's one rate."""
 
-    def __init__(self) -> None:
-        self.policy = AcceptanceTracker()
-        self.rate = AcceptanceTracker(per_position=False)
+    def __init__(self, history: History) -> None:
+        self.history = history
+        self.policy = AcceptanceTracker(history.prior())
+        self.rate = AcceptanceTracker(history.prior(), per_position=False)
 
     def update(self, depth: int, kept: int) -> None:
         self.policy.update(depth, kept)
         self.rate.update(depth, kept)
+        self.history.observed += min(depth, kept + 1)
+        self.history.accepted += kept
 
 
 Sizing = Callable[[SuffixSource, list[int], Row, CostModel, int], SuffixTree]
@@ -92,9 +106,9 @@ def depth(tree: SuffixTree) -> int:
 
 
 def replay(prompt: list[int], answer: list[int], source: SuffixSource, cost: CostModel, k_max: int,
-           sizing: Sizing) -> float:
+           sizing: Sizing, history: History) -> float:
     """Seconds of the decode steps (the prefill emits answer[0] and is the same for every rule)."""
-    row, i, seconds = Row(), 1, 0.0
+    row, i, seconds = Row(history), 1, 0.0
     while i < len(answer):
         tree = sizing(source, prompt + answer[:i], row, cost, k_max)
         kept = accepted_path(tree, answer[i:])
@@ -111,6 +125,9 @@ def main() -> None:
     ap.add_argument("--tasks", default="", help="comma-separated (default: every task of the run)")
     ap.add_argument("--k-max", type=int, default=16)
     ap.add_argument("--round-size", type=int, default=12)
+    ap.add_argument("--history-prior", action="store_true",
+                    help="a row starts from the pooled acceptance of the rule's earlier rows, as in the engine "
+                         "(default: from DEFAULT_PRIOR)")
     args = ap.parse_args()
     cost = CostModel(tuple(json.loads(args.costs.read_text())))
     records = [json.loads(line) for line in (args.bench_out / "records.jsonl").read_text().splitlines()]
@@ -120,6 +137,7 @@ def main() -> None:
     offset = {t: sum(1 for r in plain if r["task"] in order[:i]) for i, t in enumerate(order)}
     tasks = [t for t in args.tasks.split(",") if t] or order
     for name, sizing in SIZINGS.items():
+        history = History(args.history_prior)
         cells = []
         for task in tasks:
             rows = sorted((r for r in plain if r["task"] == task), key=lambda r: r["prompt_index"])
@@ -128,7 +146,7 @@ def main() -> None:
                 source = SuffixSource(2, SuffixStore())
                 for r in rows[start:start + args.round_size]:
                     prompt, answer = prompts[offset[task] + r["prompt_index"]], r["token_ids"]
-                    seconds += r["prefill_seconds"] + replay(prompt, answer, source, cost, args.k_max, sizing)
+                    seconds += r["prefill_seconds"] + replay(prompt, answer, source, cost, args.k_max, sizing, history)
                     plain_seconds += r["prefill_seconds"] + (len(answer) - 1) * cost.target_forward_seconds(1)
                     source.remember(None, prompt + answer, len(prompt))
             cells.append(f"{task} {plain_seconds / seconds:.3f}x")

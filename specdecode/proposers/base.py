@@ -56,8 +56,8 @@ class Draft:
         return self.parents is not None
 
     def first(self, n: int) -> Draft:
-        """The first n nodes: a tree's parents come before their children, so they are a tree too. Point masses
-        only (a sampled chain's probs rows would be cut too)."""
+        """The first n nodes: a tree's parents come before their children, so they form a tree too (a sampled
+        chain keeps the probs of its first n)."""
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
                      None if self.parents is None else self.parents[:n])
 
