@@ -20,7 +20,6 @@ from collections import deque
 import torch
 
 from specdecode.cost_model import CostModel
-from specdecode.engine import schedule
 from specdecode.engine.adaptive import AdaptiveK
 from specdecode.engine.chunking import ChunkTimer
 from specdecode.engine.constrain import constrain_rows
@@ -31,7 +30,7 @@ from specdecode.engine.prefill_share import PrefillShares
 from specdecode.engine.prefix_cache import PrefixCache
 from specdecode.engine.row_faults import guarded, propose_rows
 from specdecode.engine.running import Running
-from specdecode.engine.schedule import Lengths, PreferredDraft, choose_lengths, node_budget, row_cost
+from specdecode.engine.schedule import Lengths, PreferredDraft, choose_lengths, node_budget, row_catch_up, row_cost
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_log import log_step
 from specdecode.engine.step_verify import Verified, append_verified, start_sequence, verify_rows
@@ -342,13 +341,12 @@ class Engine:
         budget = node_budget(self._cost, self.k_max, len(self.running))
         preferred, guesses = [], []
         lookup = self.proposer is not None and self.proposer.capabilities.lookup
-        ks = [r.policy.next_k(self._allowed(r)) if r.policy is not None else 0 for r in self.running]
+        allowed_ks = [self._allowed(r) for r in self.running]
+        ks = [r.policy.next_k(a) if r.policy is not None else 0 for r, a in zip(self.running, allowed_ks, strict=True)]
         if lookup:  # a lookup drafts for free: the batch prices the nodes it found, not the k allowed
             ks = lookup_drafts(self.proposer, self.running, ks, self.target.config.vocab_size)
-        for r, k in zip(self.running, ks, strict=True):
-            allowed = self._allowed(r)
-            catch_up = schedule.row_catch_up(self.proposer, self._cost, r, k, dip,
-                                             self.history.expected_length(r.seq.params))
+        for r, k, allowed in zip(self.running, ks, allowed_ks, strict=True):
+            catch_up = row_catch_up(self.proposer, self._cost, r, k, dip, self.history.expected_length(r.seq.params))
             guess = RowGuess(r.seq.token_ids, None if lookup else self.lookup, r.seq.cache_salt, r.seq.params.greedy)
             guess.alone = guess_alone(r, guess, k, allowed, budget, catch_up, self.row_cost)
             guesses.append(guess)
