@@ -208,9 +208,10 @@ def resolve_quantization(requested: str, path: Path, dtype: torch.dtype, device:
 
 def resolve_draft_quantization(requested: str, path: Path, dtype: torch.dtype, device: torch.device) -> str:
     """A draft model's weight format. "auto": a .gguf draft runs on its own blocks wherever a target would
-    ("gguf": the same single-token step as the other CPU formats, and a catch-up over the prompt about three
-    times faster than int4-hybrid's bf16 prefill, which decides whether drafting pays); otherwise "auto" stays
-    for `draft_linear_format` (the CPU's fastest single-token path). Any other value is the user's choice."""
+    ("gguf": in about the file's memory, with a catch-up over the prompt about three times faster than
+    int4-hybrid's bf16 prefill on AVX512-BF16; on AMX int4-hybrid is as fast within noise but holds a bf16 copy
+    too); otherwise "auto" stays for `draft_linear_format` (the CPU's fastest single-token path). Any other value
+    is the user's choice."""
     if requested == "auto" and resolve_quantization("auto", path, dtype, device) == "gguf":
         return "gguf"
     return requested
