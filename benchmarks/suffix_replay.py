@@ -9,8 +9,9 @@ its trees.
 A `specdecode bench` run of `plain@gguf` records every prompt's tokens and its greedy answer. Greedy verification
 keeps a draft's longest path that the answer follows, so the steps a sizing rule takes are known exactly; their
 time comes from the target's measured forward costs (`--costs`: a JSON list of seconds for a forward over 1, 2, ...
-tokens, e.g. `LLM(...).cost.target_seconds`). Rounds work as in the benchmark: the store learns the earlier answers
-of the same round. The ratio printed is plain's time over the rule's, prefill (from the records) included.
+tokens, e.g. `LLM(...).cost.target_seconds`). Rounds work as in the benchmark: they take the prompts of every task
+in turn (`--round-size` as the run's), and the store learns the earlier answers of the same round, whatever their
+task. The ratio printed is plain's time over the rule's, prefill (from the records) included.
 
     python benchmarks/suffix_replay.py BENCH_OUT_DIR --costs COSTS.json [--tasks agent,repeated_format]
         [--history-prior]
@@ -136,21 +137,26 @@ def main() -> None:
     order = list(dict.fromkeys(r["task"] for r in plain))  # the dataset's task order: prompt_ids follow it
     offset = {t: sum(1 for r in plain if r["task"] in order[:i]) for i, t in enumerate(order)}
     tasks = [t for t in args.tasks.split(",") if t] or order
+    # The harness's rounds: prompts of every task in turn (index, then task order), each round a freshly loaded
+    # engine whose store starts empty and learns every answer of the round, whatever its task.
+    rank = {t: i for i, t in enumerate(order)}
+    turn = sorted(plain, key=lambda r: (r["prompt_index"], rank[r["task"]]))
+    rounds = [turn[i:i + args.round_size] for i in range(0, len(turn), args.round_size)]
     for name, sizing in SIZINGS.items():
         history = History(args.history_prior)
-        cells = []
-        for task in tasks:
-            rows = sorted((r for r in plain if r["task"] == task), key=lambda r: r["prompt_index"])
-            plain_seconds = seconds = 0.0
-            for start in range(0, len(rows), args.round_size):
-                source = SuffixSource(2, SuffixStore())
-                for r in rows[start:start + args.round_size]:
-                    prompt, answer = prompts[offset[task] + r["prompt_index"]], r["token_ids"]
-                    seconds += r["prefill_seconds"] + replay(prompt, answer, source, cost, args.k_max, sizing, history)
-                    plain_seconds += r["prefill_seconds"] + (len(answer) - 1) * cost.target_forward_seconds(1)
-                    source.remember(None, prompt + answer, len(prompt))
-            cells.append(f"{task} {plain_seconds / seconds:.3f}x")
-        print(f"{name:>20}: " + "  ".join(cells))
+        seconds = dict.fromkeys(tasks, 0.0)
+        plain_seconds = dict.fromkeys(tasks, 0.0)
+        for rows in rounds:
+            source = SuffixSource(2, SuffixStore())
+            for r in rows:
+                prompt, answer = prompts[offset[r["task"]] + r["prompt_index"]], r["token_ids"]
+                task = r["task"]
+                if task in seconds:
+                    seconds[task] += r["prefill_seconds"] + replay(prompt, answer, source, cost, args.k_max, sizing,
+                                                                   history)
+                    plain_seconds[task] += r["prefill_seconds"] + (len(answer) - 1) * cost.target_forward_seconds(1)
+                source.remember(None, prompt + answer, len(prompt))
+        print(f"{name:>20}: " + "  ".join(f"{t} {plain_seconds[t] / seconds[t]:.3f}x" for t in tasks))
 
 
 if __name__ == "__main__":
