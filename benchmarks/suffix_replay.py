@@ -149,8 +149,8 @@ def main() -> None:
         for rows in rounds:
             source = SuffixSource(2, SuffixStore())
             for r in rows:
-                prompt, answer = prompts[offset[r["task"]] + r["prompt_index"]], r["token_ids"]
                 task = r["task"]
+                prompt, answer = prompts[offset[task] + r["prompt_index"]], r["token_ids"]
                 if task in seconds:
                     seconds[task] += r["prefill_seconds"] + replay(prompt, answer, source, cost, args.k_max, sizing,
                                                                    history)
